@@ -1,0 +1,87 @@
+"""Shared test fixtures. `run_on_ranks` is THE way tests run code on N Gloo processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)  # N processes share 2 cores: avoid oversubscription
+    try:
+        result = fn(*args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> list:
+    """Runs `fn(*args)` on `world_size` fresh processes (env set as torchrun does).
+
+    `fn` must be a module-level function. Returns the per-rank results, rank order.
+    A rank's exception fails the test with that rank's traceback; a hang fails at `timeout`.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    try:
+        import queue as queue_mod
+
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except queue_mod.Empty:
+                errors.append(f"timed out after {timeout}s waiting for ranks")
+                break
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break  # the other ranks are likely blocked in a collective
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)
+    return [results[r] for r in range(world_size)]
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    return FIXTURES
+
+
+# Spawned ranks import test modules by name; make tests/ importable for them.
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,90 @@
+"""`zerotrain.initialize`: DeepSpeed's entry point, same signature and return value."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from zerotrain.config import ConfigError, load_config, resolve_config
+from zerotrain.distributed import device_for, init_distributed
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    model_parameters: Iterable | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config: Any = None,
+    config_params: Any = None,
+):
+    """Wraps `model` for ZeRO training, as `deepspeed.initialize` does.
+
+    Args:
+        args: an argparse namespace; its `deepspeed_config` is used when `config` is None.
+        model: the torch module to train.
+        optimizer: a torch optimizer; rebuilt over the rank's shards with the same class and
+            hyper-parameters. Mutually exclusive with an `optimizer` section in the config.
+        model_parameters: parameters or torch-style param groups to train (default: all of `model`'s).
+        training_data: a Dataset; returned as a DataLoader with a DistributedSampler.
+        lr_scheduler: a scheduler built on `optimizer`, or a callable taking the optimizer.
+        dist_init_required: False to require an already-initialized process group.
+        collate_fn: passed to the DataLoader.
+        config: a dict, a path (.json with comments, .yaml) or a base64 JSON string.
+        config_params: DeepSpeed's older name for `config`.
+
+    Returns:
+        (engine, optimizer, training_dataloader, lr_scheduler)
+    """
+    from zerotrain.engine import Engine  # the engine imports torch-heavy modules; keep `import zerotrain` light
+
+    if model is None:
+        raise ValueError("zerotrain.initialize needs a model (model=...)")
+    config = config if config is not None else config_params
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ConfigError(
+            "no config: pass config=... (a dict or a path) or args with a deepspeed_config attribute"
+        )
+    if dist_init_required is False and not torch.distributed.is_initialized():
+        raise RuntimeError("dist_init_required=False, but torch.distributed is not initialized")
+    launch = init_distributed()
+
+    cfg = load_config(config)
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError(
+            "an optimizer was passed to initialize() and the config has an \"optimizer\" section: "
+            "use one of the two (remove the section, or drop the optimizer argument)"
+        )
+    cfg = resolve_config(cfg, world_size=torch.distributed.get_world_size(), model=model)
+
+    param_groups = _param_groups(model, optimizer, model_parameters)
+    engine = Engine(
+        model,
+        cfg,
+        device_for(launch.local_rank),
+        param_groups,
+        client_optimizer=optimizer,
+        client_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
+    """Torch-style param groups: from the client optimizer, `model_parameters`, or the whole model."""
+    if optimizer is not None:
+        return [dict(g) for g in optimizer.param_groups]
+    if model_parameters is None:
+        return [{"params": list(model.parameters())}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": list(g["params"])} for g in items]
+    return [{"params": items}]

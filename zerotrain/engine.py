@@ -1,0 +1,221 @@
+"""Engine: the training loop's three calls — forward, backward, step — DeepSpeed-style.
+
+    loss = engine(batch)        # forward through the wrapped module
+    engine.backward(loss)       # scale for accumulation and fp16; reduce gradients (stage 0/2)
+    engine.step()               # at the accumulation boundary: reduce (stage 1), clip, update
+
+Everything a ZeRO stage changes lives in `zerotrain/zero/`: which buffers are
+whole or sharded (`stage.py`), how gradients are reduced (`grad_reducer.py`) and
+how the optimizer steps on shards (`optimizer.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from zerotrain.optim import build_optimizer, build_scheduler
+from zerotrain.precision import build_loss_scaler
+from zerotrain.zero.grad_reducer import GradReducer
+from zerotrain.zero.optimizer import ZeroOptimizer
+from zerotrain.zero.stage import StagePlan, build_flat_params
+
+if TYPE_CHECKING:
+    from zerotrain.config import ZeroTrainConfig
+
+log = logging.getLogger("zerotrain")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Engine(nn.Module):
+    """Wraps a model for ZeRO data-parallel training; built by `zerotrain.initialize`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroTrainConfig,
+        device: torch.device,
+        param_groups: list[dict],
+        client_optimizer: torch.optim.Optimizer | None = None,
+        client_scheduler: Any = None,
+        training_data: Dataset | None = None,
+        collate_fn=None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.device = device
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.module = model.to(device)
+        self.plan = StagePlan(config.zero_optimization.stage)
+        self.compute_dtype = config.compute_dtype
+
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
+        options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+        self.flat_params = build_flat_params(
+            model, trainable, self.plan, config.zero_optimization.reduce_bucket_size, self.compute_dtype
+        )
+        comm = config.communication_data_type
+        self.reducer = GradReducer(
+            self.flat_params,
+            self.plan.stage,
+            self.world_size,
+            _DTYPES[comm] if comm else None,
+            config.prescale_gradients,
+            config.gradient_predivide_factor,
+        )
+        self.loss_scaler = build_loss_scaler(config.fp16)
+        self.optimizer = ZeroOptimizer(
+            self.flat_params,
+            options,
+            self._optimizer_factory(client_optimizer),
+            stage=self.plan.stage,
+            clip=config.gradient_clipping,
+            loss_scaler=self.loss_scaler,
+            allgather_bucket_size=config.zero_optimization.allgather_bucket_size,
+        )
+        self.lr_scheduler = self._make_scheduler(client_scheduler)
+        self.training_dataloader = self._make_dataloader(training_data, collate_fn)
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._inside_no_sync = False
+
+    # --- construction --------------------------------------------------------------------
+
+    def _optimizer_factory(self, client_optimizer):
+        if client_optimizer is not None:
+            # Rebuild the user's optimizer over the master shards, same class and hyper-parameters.
+            cls, defaults = type(client_optimizer), dict(client_optimizer.defaults)
+            return lambda groups: cls(groups, **defaults)
+        opt = self.config.optimizer
+        if opt is None:
+            raise ValueError(
+                "no optimizer: pass one to zerotrain.initialize(optimizer=...) or add an "
+                '"optimizer": {"type": "AdamW", "params": {"lr": ...}} section to the config'
+            )
+        return lambda groups: build_optimizer(opt.type, dict(opt.params), groups)
+
+    def _make_scheduler(self, client_scheduler):
+        inner = self.optimizer.optimizer
+        if client_scheduler is not None:
+            if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+                return client_scheduler(self.optimizer)
+            # A scheduler built on the user's optimizer now drives the rebuilt one.
+            client_scheduler.optimizer = inner
+            return client_scheduler
+        sched = self.config.scheduler
+        if sched is None:
+            return None
+        return build_scheduler(sched.type, dict(sched.params), inner)
+
+    def _make_dataloader(self, data, collate_fn) -> DataLoader | None:
+        if data is None:
+            return None
+        sampler = DistributedSampler(data, num_replicas=self.world_size, rank=self.rank)
+        return DataLoader(
+            data, batch_size=self.train_micro_batch_size_per_gpu(), sampler=sampler, collate_fn=collate_fn
+        )
+
+    # --- forward / backward / step -------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _cast_floats((args, kwargs), torch.float16)
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagates `loss` divided by the accumulation steps and scaled for fp16."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.reducer.reduce_in_backward = self.plan.reduces_in_backward(boundary) and not self._inside_no_sync
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        (loss * (scale / self.gradient_accumulation_steps())).backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self) -> None:
+        """Counts a micro-step; at the accumulation boundary, updates the weights."""
+        if self.is_gradient_accumulation_boundary():
+            if self._inside_no_sync:
+                raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): leave no_sync first")
+            if not self.plan.reduces_in_backward(True):
+                self.reducer.reduce_remaining()  # stage 1: reduce-scatter at the step
+            if self.optimizer.step():
+                if self.lr_scheduler is not None:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                        self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+                if self.rank == 0:
+                    log.warning(
+                        "fp16 overflow at step %d: update skipped, loss scale now %s",
+                        self.global_steps,
+                        self.loss_scaler.loss_scale,
+                    )
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+                log.info("step %d: lr %s, grad norm %.4g", self.global_steps, self.get_lr(), self.get_global_grad_norm())
+        self.micro_steps += 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients locally without reducing them (stages 0 and 1)."""
+        if self.plan.stage >= 2:
+            raise RuntimeError(
+                f"no_sync() is not available at ZeRO stage {self.plan.stage}: stage 2 reduces gradients into "
+                "shards on every backward by design. Use stage 0 or 1, or gradient_accumulation_steps."
+            )
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
+
+    # --- DeepSpeed's accessors -------------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.plan.stage
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the whole (unscaled, unclipped) gradient at the last step; inf if fp16 overflowed."""
+        return self.optimizer.last_grad_norm
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients, master weights and optimizer state."""
+        return self.optimizer.resident_bytes()
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj

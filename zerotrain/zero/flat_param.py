@@ -1,0 +1,116 @@
+"""FlatParam: a bucket of parameters laid end to end in one buffer, sharded over ranks.
+
+Each `nn.Parameter` of the bucket becomes a view into `FlatParam.data`, so model
+code never knows. Rank r owns the slice `[r*S, (r+1)*S)` of the (padded) buffer;
+the fp32 master copy and the optimizer state exist only for that slice. Whether
+the gradient is kept whole or only as the shard is the stage's decision (see
+`zerotrain/zero/stage.py`); this class only holds the buffers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class FlatParam:
+    """Parameters of one bucket, flattened into one contiguous, shardable buffer."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        group_index: int,
+        world_size: int,
+        rank: int,
+        sharded: bool,
+    ) -> None:
+        self.params = params
+        self.names = names
+        self.group_index = group_index
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        # Sharded buffers are padded so that every rank owns an equal slice.
+        parts = world_size if sharded else 1
+        self.padded_numel = math.ceil(self.numel / parts) * parts
+        self.shard_size = self.padded_numel // parts
+        self.shard_start = rank * self.shard_size if sharded else 0
+        self.sharded = sharded
+        device = params[0].device
+        # Built in fp32 from the model's weights; `cast_to` moves it to the compute dtype.
+        self.data = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels):
+                self.data[off : off + n].copy_(p.detach().reshape(-1))
+        self._point_params_at_data()
+        self.master: torch.Tensor | None = None  # fp32 shard the optimizer updates
+        self.grad_full: torch.Tensor | None = None  # whole gradient, compute dtype
+        self.grad_shard: torch.Tensor | None = None  # this rank's reduced gradient slice
+
+    @property
+    def padding(self) -> int:
+        """Elements added so the buffer divides evenly among ranks."""
+        return self.padded_numel - self.numel
+
+    def shard(self) -> torch.Tensor:
+        """This rank's slice of the parameter buffer (a view)."""
+        return self.data[self.shard_start : self.shard_start + self.shard_size]
+
+    def make_master(self, compute_dtype: torch.dtype) -> None:
+        """Creates the fp32 master shard; in fp32 training it is the parameter slice itself."""
+        shard = self.shard()
+        self.master = shard if compute_dtype == torch.float32 else shard.detach().clone()
+
+    def cast_to(self, dtype: torch.dtype) -> None:
+        """Moves the parameter buffer to `dtype` and re-points every parameter at it."""
+        if self.data.dtype != dtype:
+            self.data = self.data.to(dtype)
+            self._point_params_at_data()
+
+    def _point_params_at_data(self) -> None:
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.data = self.data[off : off + n].view(shape)
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Accumulates one parameter's gradient into the whole-gradient buffer."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
+        off, n = self.offsets[index], self.numels[index]
+        self.grad_full[off : off + n].add_(grad.reshape(-1))
+
+    def ensure_grad_full(self) -> torch.Tensor:
+        """The whole-gradient buffer, zeros if no parameter produced a gradient."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
+        return self.grad_full
+
+    def grad_of_shard(self) -> torch.Tensor:
+        """The gradient of this rank's slice: the reduced shard, or a view of the whole gradient."""
+        if self.sharded:
+            if self.grad_shard is None:
+                self.grad_shard = torch.zeros(self.shard_size, dtype=self.data.dtype, device=self.data.device)
+            return self.grad_shard
+        return self.ensure_grad_full()
+
+
+def split_into_buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Groups parameters, in the given order, into buckets of at most `bucket_numel` elements.
+
+    A parameter larger than the bucket size gets a bucket of its own.
+    """
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        if current and size + p.numel() > bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets

@@ -1,0 +1,138 @@
+"""GradReducer: collects gradients into FlatParam buckets and reduces them.
+
+A post-accumulate-grad hook on every trainable parameter copies its gradient
+into its bucket's whole-gradient buffer and drops `param.grad`. When reduction
+happens during backward (stage 0 at the accumulation boundary, stage 2 on every
+micro-step), a bucket is launched asynchronously as soon as all of its
+parameters have reported, while backward goes on. Buckets are always launched
+in one fixed order so every rank issues the same collectives in the same
+sequence, whatever parameters its data left unused; the rest are flushed by a
+callback at the end of backward.
+
+Stage 0 all-reduces the whole gradient. Stages 1 and 2 reduce-scatter it into
+the rank's gradient shard; stage 2 then frees the whole gradient, so between
+micro-steps a rank keeps only its shard.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import nn
+
+from zerotrain import distributed as zdist
+from zerotrain.zero.flat_param import FlatParam
+
+# Reductions in flight before the oldest is waited on: bounds the memory held by
+# whole-gradient buffers awaiting their reduce-scatter.
+_MAX_IN_FLIGHT = 2
+
+
+class GradReducer:
+    """Hooks gradients into buckets and averages them over the data-parallel ranks."""
+
+    def __init__(
+        self,
+        flat_params: list[FlatParam],
+        stage: int,
+        world_size: int,
+        comm_dtype: torch.dtype | None,
+        prescale_gradients: bool,
+        predivide_factor: float,
+    ) -> None:
+        self.flat_params = flat_params
+        self.stage = stage
+        self.comm_dtype = comm_dtype
+        # DeepSpeed's scaling around the sum: either divide by N before, or by the
+        # pre-divide factor before and the rest after. The product is always 1/N.
+        if prescale_gradients:
+            self.pre_scale, self.post_scale = 1.0 / world_size, 1.0
+        else:
+            self.pre_scale, self.post_scale = 1.0 / predivide_factor, predivide_factor / world_size
+        self.reduce_in_backward = False
+        self._slot: dict[nn.Parameter, tuple[int, int]] = {}
+        for b, fp in enumerate(flat_params):
+            for i, p in enumerate(fp.params):
+                self._slot[p] = (b, i)
+        self._ready: list[set[int]] = [set() for _ in flat_params]
+        self._next_launch = 0
+        self._in_flight: deque = deque()
+        self._callback_queued = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    # --- during backward -------------------------------------------------------------
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        b, i = self._slot[param]
+        fp = self.flat_params[b]
+        if self.reduce_in_backward and b < self._next_launch:
+            raise RuntimeError(
+                f"parameter {fp.names[i]!r} received a second gradient after its bucket was reduced in this "
+                "backward pass (reentrant activation checkpointing?). Use non-reentrant checkpointing "
+                "(use_reentrant=False)."
+            )
+        fp.add_grad(i, param.grad)
+        param.grad = None
+        self._ready[b].add(i)
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if self.reduce_in_backward:
+            while self._next_launch < len(self.flat_params) and len(self._ready[self._next_launch]) == len(
+                self.flat_params[self._next_launch].params
+            ):
+                self._launch(self._next_launch)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        if self.reduce_in_backward:
+            self.reduce_remaining()
+        for ready in self._ready:
+            ready.clear()
+        self._next_launch = 0
+
+    # --- reduction ---------------------------------------------------------------------
+
+    def reduce_remaining(self) -> None:
+        """Launches every bucket not yet launched (unused parameters count as zeros) and waits."""
+        while self._next_launch < len(self.flat_params):
+            self._launch(self._next_launch)
+        while self._in_flight:
+            self._complete(*self._in_flight.popleft())
+        self._next_launch = 0
+
+    def _launch(self, b: int) -> None:
+        self._next_launch = b + 1
+        fp = self.flat_params[b]
+        grad = fp.ensure_grad_full()
+        send = grad if self.comm_dtype in (None, grad.dtype) else grad.to(self.comm_dtype)
+        if self.pre_scale != 1.0:
+            send.mul_(self.pre_scale)
+        if self.stage == 0:
+            work = zdist.all_reduce(send, "grad", async_op=True)
+            out = send
+        else:
+            out = torch.empty(fp.shard_size, dtype=send.dtype, device=send.device)
+            work = zdist.reduce_scatter(out, send, "grad", async_op=True)
+        self._in_flight.append((fp, work, send, out))
+        if len(self._in_flight) > _MAX_IN_FLIGHT:
+            self._complete(*self._in_flight.popleft())
+
+    def _complete(self, fp: FlatParam, work, send: torch.Tensor, out: torch.Tensor) -> None:
+        work.wait()
+        if self.post_scale != 1.0:
+            out.mul_(self.post_scale)
+        if self.stage == 0:
+            if send is not fp.grad_full:
+                fp.grad_full.copy_(send)
+            return
+        fp.grad_of_shard().add_(out)
+        if self.stage == 1:
+            fp.grad_full.zero_()  # kept allocated: stage 1 holds whole gradients between steps
+        else:
+            fp.grad_full = None  # stage 2 keeps only the shard

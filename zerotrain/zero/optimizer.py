@@ -1,0 +1,178 @@
+"""ZeroOptimizer: fp32 master shards, the wrapped torch optimizer, and the boundary step.
+
+At the accumulation boundary, with every gradient already reduced into the
+rank's shard: unscale, check for fp16 overflow across ranks, take the global
+gradient norm across all shards, clip, step the torch optimizer on the master
+shards, copy them back into the low-precision parameters, and all-gather the
+updated parameters (sharded stages) in `allgather_bucket_size` buckets.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from zerotrain import distributed as zdist
+from zerotrain.zero.flat_param import FlatParam
+
+
+class ZeroOptimizer:
+    """Presents the torch optimizer built over master shards as the engine's optimizer.
+
+    `param_groups` and `state` are those of the inner torch optimizer, so LR
+    schedulers (DeepSpeed's or torch's) drive it directly.
+    """
+
+    def __init__(
+        self,
+        flat_params: list[FlatParam],
+        group_options: list[dict],
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        *,
+        stage: int,
+        clip: float,
+        loss_scaler=None,
+        allgather_bucket_size: int = 500_000_000,
+    ) -> None:
+        self.flat_params = flat_params
+        self.stage = stage
+        # Ranks hold different shards only at stages >= 1 with more than one rank.
+        self.sharded = stage >= 1 and dist.is_initialized() and dist.get_world_size() > 1
+        self.clip = clip
+        self.loss_scaler = loss_scaler
+        self.allgather_bucket_size = allgather_bucket_size
+        groups = []
+        for g, options in enumerate(group_options):
+            masters = [fp.master for fp in flat_params if fp.group_index == g]
+            if masters:
+                groups.append({**options, "params": masters})
+        self.optimizer = make_optimizer(groups)
+        self.last_grad_norm: float | None = None
+
+    # torch.optim.Optimizer look-alike -------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def cur_scale(self) -> float:
+        """The fp16 loss scale (1.0 without one), under DeepSpeed's name."""
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears every gradient buffer (the engine calls this after each step)."""
+        for fp in self.flat_params:
+            fp.master.grad = None
+            if fp.grad_full is not None:
+                fp.grad_full.zero_()
+            if self.stage == 1:
+                fp.grad_shard = None  # stage 1 keeps whole gradients; the shard lives only in the step
+            elif fp.grad_shard is not None:
+                fp.grad_shard.zero_()
+
+    # the step ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Takes one optimizer step on the reduced gradients. Returns False if fp16 overflowed."""
+        grads = [self._master_grad(fp) for fp in self.flat_params]
+        scale = self.cur_scale
+        if self.loss_scaler is not None and self._overflowed(grads):
+            self.loss_scaler.update_scale(True)
+            self.last_grad_norm = float("inf")
+            self.zero_grad()
+            return False
+        norm = self._global_norm(grads) / scale
+        self.last_grad_norm = norm
+        factor = 1.0 / scale
+        if self.clip > 0:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, clamped to 1.
+            factor *= min(self.clip / (norm + 1e-6), 1.0)
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        self.optimizer.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        with torch.no_grad():
+            for fp in self.flat_params:
+                if fp.master is not fp.shard():
+                    fp.shard().copy_(fp.master)
+        self.zero_grad()
+        if self.sharded:
+            self._all_gather_params()
+        return True
+
+    def _master_grad(self, fp: FlatParam) -> torch.Tensor:
+        grad = fp.grad_of_shard()
+        fp.master.grad = grad if grad.dtype == torch.float32 else grad.float()
+        return fp.master.grad
+
+    def _overflowed(self, grads: list[torch.Tensor]) -> bool:
+        local = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
+        if self.sharded:
+            zdist.all_reduce(local, "scalar", op=dist.ReduceOp.MAX)
+        return bool(local.item())
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """L2 norm of the whole gradient: each rank sums squares over its shard only."""
+        sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        if self.sharded:
+            zdist.all_reduce(sq, "scalar")
+        return float(sq.sqrt())
+
+    def _all_gather_params(self) -> None:
+        """Rebuilds whole parameters from every rank's updated shard, bucket by bucket."""
+        bucket: list[FlatParam] = []
+        size = 0
+        for fp in self.flat_params:
+            if bucket and size + fp.padded_numel > self.allgather_bucket_size:
+                self._gather_bucket(bucket)
+                bucket, size = [], 0
+            bucket.append(fp)
+            size += fp.padded_numel
+        if bucket:
+            self._gather_bucket(bucket)
+
+    def _gather_bucket(self, bucket: list[FlatParam]) -> None:
+        if len(bucket) == 1:
+            fp = bucket[0]
+            zdist.all_gather(fp.data, fp.shard().clone(), "param")
+            return
+        send = torch.cat([fp.shard() for fp in bucket])
+        world = bucket[0].padded_numel // bucket[0].shard_size
+        recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+        zdist.all_gather(recv, send, "param")
+        rows = recv.view(world, send.numel())
+        off = 0
+        for fp in bucket:
+            fp.data.view(world, fp.shard_size).copy_(rows[:, off : off + fp.shard_size])
+            off += fp.shard_size
+
+    # accounting -------------------------------------------------------------------------
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, measured from the tensors themselves.
+
+        `optimizer_state` counts per-element state (exp_avg, ...); scalar state such
+        as Adam's step counter is reported separately as `optimizer_scalars`.
+        """
+        out = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0, "optimizer_scalars": 0}
+        for fp in self.flat_params:
+            out["params"] += fp.data.numel() * fp.data.element_size()
+            for g in (fp.grad_full, fp.grad_shard if fp.sharded else None):
+                if g is not None:
+                    out["grads"] += g.numel() * g.element_size()
+            if fp.master is not fp.shard():
+                out["master"] += fp.master.numel() * fp.master.element_size()
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v):
+                    key = "optimizer_state" if v.numel() > 1 else "optimizer_scalars"
+                    out[key] += v.numel() * v.element_size()
+        return out

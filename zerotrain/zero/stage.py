@@ -1,0 +1,86 @@
+"""The stage table: one machine, with different things kept whole or sharded.
+
+| stage | low-precision params | gradients                             | fp32 master + optimizer state |
+| ----- | -------------------- | ------------------------------------- | ----------------------------- |
+| 0     | whole                | whole, all-reduced during backward    | whole                         |
+| 1     | whole                | whole, reduce-scattered at the step   | shard                         |
+| 2     | whole                | shard, reduce-scattered in backward   | shard                         |
+
+`build_flat_params` applies it to a model: buckets its trainable parameters,
+makes every rank start from rank 0's weights, creates the master shards and
+casts to the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerotrain import distributed as zdist
+from zerotrain.zero.flat_param import FlatParam, split_into_buckets
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What a ZeRO stage keeps sharded, and when it reduces gradients."""
+
+    stage: int
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """fp32 master weights and optimizer state exist only for the rank's shard."""
+        return self.stage >= 1
+
+    @property
+    def keeps_whole_grads(self) -> bool:
+        """Whole gradients stay allocated between micro-steps (stages 0 and 1)."""
+        return self.stage <= 1
+
+    def reduces_in_backward(self, boundary: bool) -> bool:
+        """Stage 0 all-reduces during the boundary backward; stage 2 reduce-scatters every backward."""
+        return self.stage == 2 or (self.stage == 0 and boundary)
+
+
+def build_flat_params(
+    model: nn.Module,
+    param_groups: list[list[nn.Parameter]],
+    plan: StagePlan,
+    bucket_numel: int,
+    compute_dtype: torch.dtype,
+) -> list[FlatParam]:
+    """Flattens each param group's trainable parameters into FlatParam buckets.
+
+    Parameters are taken in reverse registration order, roughly the order backward
+    produces their gradients, so the first bucket fills first.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+    flat_params: list[FlatParam] = []
+    for g, params in enumerate(param_groups):
+        for bucket in split_into_buckets(list(reversed(params)), bucket_numel):
+            flat_params.append(
+                FlatParam(bucket, [names.get(p, "?") for p in bucket], g, world, rank, plan.shards_optimizer)
+            )
+    if world > 1:
+        # DeepSpeed starts every rank from rank 0's weights; so do we.
+        for fp in flat_params:
+            zdist.broadcast(fp.data, 0, "init")
+        flat = {p for fp in flat_params for p in fp.params}
+        for t in [p for p in model.parameters() if p not in flat] + list(model.buffers()):
+            zdist.broadcast(t.data, 0, "init")
+    for fp in flat_params:
+        fp.make_master(compute_dtype)
+    if compute_dtype != torch.float32:
+        model.to(compute_dtype)  # frozen parameters and floating buffers
+        for fp in flat_params:
+            fp.cast_to(compute_dtype)
+    for fp in flat_params:
+        if plan.keeps_whole_grads:
+            fp.ensure_grad_full()
+        else:
+            fp.grad_of_shard()
+    return flat_params
