@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 import traceback
@@ -29,7 +30,9 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue) ->
 
     torch.set_num_threads(1)  # N processes share 2 cores: avoid oversubscription
     try:
-        result = fn(*args)
+        # Plain pickle to bytes: torch's queue reducers would pass tensors through
+        # shared memory that vanishes when this process exits.
+        result = pickle.dumps(fn(*args))
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -64,7 +67,7 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> list:
                 errors.append(f"timed out after {timeout}s waiting for ranks")
                 break
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks are likely blocked in a collective

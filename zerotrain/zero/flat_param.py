@@ -48,6 +48,7 @@ class FlatParam:
                 self.data[off : off + n].copy_(p.detach().reshape(-1))
         self._point_params_at_data()
         self.master: torch.Tensor | None = None  # fp32 shard the optimizer updates
+        self.master_is_param = False  # fp32 training: the master is the parameter slice itself
         self.grad_full: torch.Tensor | None = None  # whole gradient, compute dtype
         self.grad_shard: torch.Tensor | None = None  # this rank's reduced gradient slice
 
@@ -63,7 +64,8 @@ class FlatParam:
     def make_master(self, compute_dtype: torch.dtype) -> None:
         """Creates the fp32 master shard; in fp32 training it is the parameter slice itself."""
         shard = self.shard()
-        self.master = shard if compute_dtype == torch.float32 else shard.detach().clone()
+        self.master_is_param = compute_dtype == torch.float32
+        self.master = shard if self.master_is_param else shard.detach().clone()
 
     def cast_to(self, dtype: torch.dtype) -> None:
         """Moves the parameter buffer to `dtype` and re-points every parameter at it."""

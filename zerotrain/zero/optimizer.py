@@ -101,7 +101,7 @@ class ZeroOptimizer:
             self.loss_scaler.update_scale(False)
         with torch.no_grad():
             for fp in self.flat_params:
-                if fp.master is not fp.shard():
+                if not fp.master_is_param:
                     fp.shard().copy_(fp.master)
         self.zero_grad()
         if self.sharded:
@@ -168,7 +168,7 @@ class ZeroOptimizer:
             for g in (fp.grad_full, fp.grad_shard if fp.sharded else None):
                 if g is not None:
                     out["grads"] += g.numel() * g.element_size()
-            if fp.master is not fp.shard():
+            if not fp.master_is_param:
                 out["master"] += fp.master.numel() * fp.master.element_size()
         for state in self.optimizer.state.values():
             for v in state.values():
