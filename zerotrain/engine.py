@@ -12,6 +12,7 @@ how the optimizer steps on shards (`optimizer.py`).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
@@ -96,7 +97,8 @@ class Engine(nn.Module):
     def _optimizer_factory(self, client_optimizer):
         if client_optimizer is not None:
             # Rebuild the user's optimizer over the master shards, same class and hyper-parameters.
-            cls, defaults = type(client_optimizer), dict(client_optimizer.defaults)
+            cls = type(client_optimizer)
+            defaults = _constructor_kwargs(cls, client_optimizer.defaults)
             return lambda groups: cls(groups, **defaults)
         opt = self.config.optimizer
         if opt is None:
@@ -209,6 +211,14 @@ class Engine(nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, master weights and optimizer state."""
         return self.optimizer.resident_bytes()
+
+
+def _constructor_kwargs(cls: type, defaults: dict) -> dict:
+    """The optimizer's defaults its constructor accepts (some classes store derived keys too)."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
 
 
 def _cast_floats(obj, dtype: torch.dtype):
