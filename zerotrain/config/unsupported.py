@@ -1,0 +1,250 @@
+"""Features a config can ask for that this version of zerotrain does not build.
+
+A key that parses but whose feature is missing must never be ignored silently:
+``check_supported`` refuses the config and says what to change.  The features
+are one data table, ``NOT_YET_BUILT``; a later version that builds a feature
+deletes its row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from zerotrain.config.errors import ConfigError, format_problems, render_value
+from zerotrain.config.feature_schema import ActivationCheckpointingConfig, CheckpointConfig
+from zerotrain.config.schema import ZeroTrainConfig
+
+ZERO3_OFFLOAD = "ZeRO-3/offload support"
+LATER = "a later version"
+
+
+@dataclass(frozen=True)
+class NotYetBuilt:
+    """One feature zerotrain does not build yet, and how to recognise a request for it."""
+
+    feature: str
+    """What the user asked for, in words."""
+    setting: str
+    """The dotted key that asks for it."""
+    requested: Callable[[ZeroTrainConfig], Any]
+    """Returns the offending value when the config asks for the feature, else None."""
+    fix: str
+    """What to change in the config."""
+    arrives_with: str = LATER
+    """Which work brings the feature."""
+
+
+def _offload_device(section: str) -> Callable[[ZeroTrainConfig], Any]:
+    def requested(cfg: ZeroTrainConfig) -> Any:
+        offload = getattr(cfg.zero_optimization, section)
+        return offload.device if offload is not None and offload.device != "none" else None
+
+    return requested
+
+
+def _when(flag: Callable[[ZeroTrainConfig], Any]) -> Callable[[ZeroTrainConfig], Any]:
+    """For boolean switches: the value when it is on."""
+
+    def requested(cfg: ZeroTrainConfig) -> Any:
+        value = flag(cfg)
+        return value if value else None
+
+    return requested
+
+
+def _non_default(section: str, default: Any) -> Callable[[ZeroTrainConfig], Any]:
+    """For whole sections: the keys that differ from the defaults."""
+
+    def requested(cfg: ZeroTrainConfig) -> Any:
+        given = getattr(cfg, section).model_dump()
+        reference = default.model_dump()
+        changed = {k: v for k, v in given.items() if reference[k] != v}
+        return changed or None
+
+    return requested
+
+
+NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
+    NotYetBuilt(
+        "ZeRO stage 3",
+        "zero_optimization.stage",
+        lambda cfg: 3 if cfg.zero_stage == 3 else None,
+        "set zero_optimization.stage to 0, 1 or 2",
+        ZERO3_OFFLOAD,
+    ),
+    NotYetBuilt(
+        "optimizer-state offload",
+        "zero_optimization.offload_optimizer.device",
+        _offload_device("offload_optimizer"),
+        'set zero_optimization.offload_optimizer.device to "none" or remove the section '
+        '(and any deprecated "cpu_offload": true)',
+        ZERO3_OFFLOAD,
+    ),
+    NotYetBuilt(
+        "parameter offload",
+        "zero_optimization.offload_param.device",
+        _offload_device("offload_param"),
+        'set zero_optimization.offload_param.device to "none" or remove the section '
+        '(and any deprecated "cpu_offload_param": true)',
+        ZERO3_OFFLOAD,
+    ),
+    NotYetBuilt(
+        "elastic checkpoints",
+        "zero_optimization.elastic_checkpoint",
+        _when(lambda cfg: cfg.zero_optimization.elastic_checkpoint),
+        "set zero_optimization.elastic_checkpoint to false",
+    ),
+    NotYetBuilt(
+        "ZeRO++ quantized weights",
+        "zero_optimization.zero_quantized_weights",
+        _when(lambda cfg: cfg.zero_optimization.zero_quantized_weights),
+        "set zero_optimization.zero_quantized_weights to false",
+    ),
+    NotYetBuilt(
+        "ZeRO++ quantized frozen weights",
+        "zero_optimization.zero_quantized_nontrainable_weights",
+        _when(lambda cfg: cfg.zero_optimization.zero_quantized_nontrainable_weights),
+        "set zero_optimization.zero_quantized_nontrainable_weights to false",
+    ),
+    NotYetBuilt(
+        "ZeRO++ quantized gradients",
+        "zero_optimization.zero_quantized_gradients",
+        _when(lambda cfg: cfg.zero_optimization.zero_quantized_gradients),
+        "set zero_optimization.zero_quantized_gradients to false",
+    ),
+    NotYetBuilt(
+        "ZeRO++ hierarchical partitioning",
+        "zero_optimization.zero_hpz_partition_size",
+        lambda cfg: cfg.zero_optimization.zero_hpz_partition_size
+        if cfg.zero_optimization.zero_hpz_partition_size > 1
+        else None,
+        "set zero_optimization.zero_hpz_partition_size to 1",
+    ),
+    NotYetBuilt(
+        "LoCo-ZeRO++",
+        "zero_optimization.zeropp_loco_param",
+        lambda cfg: cfg.zero_optimization.zeropp_loco_param,
+        "remove zero_optimization.zeropp_loco_param",
+    ),
+    NotYetBuilt(
+        "MiCS sharding",
+        "zero_optimization.mics_shard_size",
+        lambda cfg: cfg.zero_optimization.mics_shard_size if cfg.zero_optimization.mics_shard_size > 0 else None,
+        "set zero_optimization.mics_shard_size to -1",
+    ),
+    NotYetBuilt(
+        "ZenFlow",
+        "zero_optimization.zenflow",
+        lambda cfg: cfg.zero_optimization.zenflow,
+        "remove zero_optimization.zenflow",
+    ),
+    NotYetBuilt(
+        "fp16 master weights",
+        "fp16.fp16_master_weights_and_grads",
+        _when(lambda cfg: cfg.fp16.fp16_master_weights_and_grads),
+        "set fp16.fp16_master_weights_and_grads to false",
+    ),
+    NotYetBuilt(
+        "bf16 master weights",
+        "bf16.bf16_master_weights_and_grads",
+        _when(lambda cfg: cfg.bf16.bf16_master_weights_and_grads),
+        "set bf16.bf16_master_weights_and_grads to false",
+    ),
+    NotYetBuilt(
+        "bf16 optimizer state",
+        "bf16.bf16_optimizer_states",
+        _when(lambda cfg: cfg.bf16.bf16_optimizer_states),
+        "set bf16.bf16_optimizer_states to false",
+    ),
+    NotYetBuilt(
+        "DeepSpeed activation checkpointing",
+        "activation_checkpointing",
+        _non_default("activation_checkpointing", ActivationCheckpointingConfig()),
+        "remove the activation_checkpointing section or leave it empty; for a Hugging Face model "
+        "call model.gradient_checkpointing_enable() instead",
+    ),
+    NotYetBuilt(
+        "the FLOPs profiler",
+        "flops_profiler.enabled",
+        _when(lambda cfg: cfg.flops_profiler.enabled),
+        "set flops_profiler.enabled to false",
+    ),
+    NotYetBuilt(
+        "TensorBoard logging",
+        "tensorboard.enabled",
+        _when(lambda cfg: cfg.tensorboard.enabled),
+        "set tensorboard.enabled to false",
+    ),
+    NotYetBuilt(
+        "Weights & Biases logging",
+        "wandb.enabled",
+        _when(lambda cfg: cfg.wandb.enabled),
+        "set wandb.enabled to false",
+    ),
+    NotYetBuilt(
+        "CSV logging",
+        "csv_monitor.enabled",
+        _when(lambda cfg: cfg.csv_monitor.enabled),
+        "set csv_monitor.enabled to false",
+    ),
+    NotYetBuilt(
+        "Comet logging",
+        "comet.enabled",
+        _when(lambda cfg: cfg.comet.enabled),
+        "set comet.enabled to false",
+    ),
+    NotYetBuilt(
+        "Trackio logging",
+        "trackio.enabled",
+        _when(lambda cfg: cfg.trackio.enabled),
+        "set trackio.enabled to false",
+    ),
+    NotYetBuilt(
+        "the autotuner",
+        "autotuning.enabled",
+        _when(lambda cfg: cfg.autotuning.enabled),
+        "set autotuning.enabled to false",
+    ),
+    NotYetBuilt(
+        "checkpoint I/O options",
+        "checkpoint",
+        _non_default("checkpoint", CheckpointConfig()),
+        "remove the checkpoint section or leave it empty",
+    ),
+)
+
+
+def check_supported(cfg: ZeroTrainConfig) -> None:
+    """Raise ConfigError listing every feature ``cfg`` asks for that is not built yet.
+
+    Values still "auto" are fine here: no row of the table depends on them.
+    """
+    problems: list[str] = []
+    for row in NOT_YET_BUILT:
+        value = row.requested(cfg)
+        if value is None:
+            continue
+        problems.append(
+            f"{row.setting} = {render_value(value)}: {row.feature} is not built yet in zerotrain "
+            f"(arrives with {row.arrives_with}); {row.fix}"
+        )
+    for key, value in cfg.other_deepspeed_keys.items():
+        if _switched_on(value):
+            problems.append(
+                f"{key} = {render_value(value)}: this DeepSpeed feature is not built in zerotrain; "
+                f"remove '{key}' from the config"
+            )
+    if problems:
+        raise ConfigError(format_problems("this config asks for features zerotrain does not build yet:", problems))
+
+
+def _switched_on(value: Any) -> bool:
+    """Whether a DeepSpeed key we do not model asks for its feature.
+
+    "auto" counts as off: Hugging Face files write "amp": {"enabled": "auto"},
+    which its trainer only turns on for a backend zerotrain does not have.
+    """
+    if isinstance(value, dict) and "enabled" in value:
+        value = value["enabled"]
+    return bool(value) and value != "auto"
