@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 import pytest
 import torch
@@ -178,3 +179,18 @@ def test_no_sync_is_refused_at_stage_2_and_blocks_the_boundary_step_elsewhere():
 def test_rank_and_world_come_from_any_launcher_environment(env, expected):
     launch = read_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank) == expected
+
+
+def test_progress_with_wall_clock_breakdown_is_reported_every_steps_per_print(caplog):
+    engine, *_ = zerotrain.initialize(
+        model=_model(), config=_config(steps_per_print=2, wall_clock_breakdown=True)
+    )
+    logger = logging.getLogger("zerotrain")
+    logger.addHandler(caplog.handler)
+    try:
+        _train(engine, 4)
+    finally:
+        logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if r.name == "zerotrain"]
+    assert [line.split(" | ")[0] for line in lines] == ["step 2", "step 4"]
+    assert all("forward" in line and "backward" in line and "grad norm" in line for line in lines)

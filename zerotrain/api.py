@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 import torch
@@ -55,6 +56,7 @@ def initialize(
     if dist_init_required is False and not torch.distributed.is_initialized():
         raise RuntimeError("dist_init_required=False, but torch.distributed is not initialized")
     launch = init_distributed()
+    _set_up_logging(launch.rank)
 
     cfg = load_config(config)
     if optimizer is not None and cfg.optimizer is not None:
@@ -76,6 +78,17 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _set_up_logging(rank: int) -> None:
+    """Rank 0 reports progress (steps_per_print) on the terminal; other ranks only warnings."""
+    logger = logging.getLogger("zerotrain")
+    if not logger.handlers:
+        from rich.logging import RichHandler
+
+        logger.addHandler(RichHandler(show_path=False, show_time=False))
+        logger.propagate = False
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import build_loss_scaler
+from zerotrain.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
 from zerotrain.zero.stage import StagePlan, build_flat_params
@@ -91,6 +92,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._inside_no_sync = False
+        self.timers = WallClockBreakdown(config.wall_clock_breakdown, device)
 
     # --- construction --------------------------------------------------------------------
 
@@ -134,18 +136,24 @@ class Engine(nn.Module):
     def forward(self, *args, **kwargs):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        return self.module(*args, **kwargs)
+        with self.timers.measure("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagates `loss` divided by the accumulation steps and scaled for fp16."""
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.reduce_in_backward = self.plan.reduces_in_backward(boundary) and not self._inside_no_sync
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        (loss * (scale / self.gradient_accumulation_steps())).backward(retain_graph=retain_graph)
+        with self.timers.measure("backward"):
+            (loss * (scale / self.gradient_accumulation_steps())).backward(retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
         """Counts a micro-step; at the accumulation boundary, updates the weights."""
+        with self.timers.measure("step"):
+            self._step()
+
+    def _step(self) -> None:
         if self.is_gradient_accumulation_boundary():
             if self._inside_no_sync:
                 raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): leave no_sync first")
@@ -167,8 +175,16 @@ class Engine(nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
-                log.info("step %d: lr %s, grad norm %.4g", self.global_steps, self.get_lr(), self.get_global_grad_norm())
+                self._print_progress()
         self.micro_steps += 1
+
+    def _print_progress(self) -> None:
+        parts = [f"step {self.global_steps}", f"lr {self.get_lr()}", f"grad norm {self.get_global_grad_norm():.4g}"]
+        if self.loss_scaler is not None:
+            parts += [f"loss scale {self.loss_scaler.loss_scale:g}", f"skipped {self.skipped_steps}"]
+        if self.timers.enabled:
+            parts.append(self.timers.report())
+        log.info(" | ".join(parts))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -14,6 +14,12 @@ from llama_workload import GLOBAL_BATCH, train_reference, train_zerotrain, zero_
 
 STAGES = (0, 1, 2)
 ACCUMULATION = (1, 2)
+# DeepSpeed's knobs for where the 1/N of the average is applied: the result must not change.
+SCALING_CASES = (
+    ("prescale", 1, {"prescale_gradients": True}),
+    ("predivide", 0, {"gradient_predivide_factor": 2.0}),
+    ("predivide-stage2", 2, {"gradient_predivide_factor": 2.0}),
+)
 
 
 def _all_cases(world: int) -> dict:
@@ -27,6 +33,11 @@ def _all_cases(world: int) -> dict:
     for dtype in ("bf16", "fp16"):
         run = train_zerotrain(zero_config(2, world, 1, dtype))
         out[(2, dtype)] = {"losses": run["losses"], "weights": run["weights"]}
+    for name, stage, extra in SCALING_CASES:
+        run = train_zerotrain({**zero_config(stage, world, 1), **extra})
+        out[name] = {"losses": run["losses"], "weights": run["weights"]}
+    run = train_zerotrain({**zero_config(2, world, 1, "bf16"), "communication_data_type": "fp32"})
+    out["bf16-fp32-comm"] = {"losses": run["losses"], "weights": run["weights"]}
     run = train_zerotrain(zero_config(2, world, 2), tied=True, extra_unused=True, freeze_one=True)
     module = run["engine"].module
     out["features"] = {
@@ -86,6 +97,20 @@ def test_half_precision_follows_fp32_within_tolerance(world_runs, reference, dty
     ref_losses, _ = reference
     losses = _global_losses(per_rank, (2, dtype))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=0.0)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SCALING_CASES])
+def test_gradient_prescaling_and_predivision_do_not_change_training(world_runs, reference, case):
+    _, per_rank = world_runs
+    ref_losses, ref_weights = reference
+    torch.testing.assert_close(torch.tensor(_global_losses(per_rank, case)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    _assert_weights_close(per_rank[0][case]["weights"], ref_weights, rtol=1e-5)
+
+
+def test_bf16_with_fp32_communication_follows_fp32(world_runs, reference):
+    _, per_rank = world_runs
+    ref_losses, _ = reference
+    torch.testing.assert_close(torch.tensor(_global_losses(per_rank, "bf16-fp32-comm")), torch.tensor(ref_losses), rtol=3e-2, atol=0.0)
 
 
 def test_tied_frozen_and_unused_parameters_match_reference(world_runs):
