@@ -23,7 +23,7 @@ from zerotrain.launcher.failures import order_failures
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 REPORT = re.compile(
     r"RANK_REPORT rank=(\d+) world=(\d+) local_rank_env=(\d+) local_rank_arg=(\S+) "
-    r"sum=(\d+) tag=(\S*) ran_as=(\w+) omp=(\S+)"
+    r"sum=(\d+) tag=(\S*) ran_as=(module|script) omp=(\d+|None)"
 )
 # A launch that is not done by then is hung; fail instead of blocking the suite.
 LAUNCH_TIMEOUT_S = 60
@@ -43,7 +43,9 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def launch(*args: str, cwd: Path | None = None, default_port: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+def launch(
+    *args: str, cwd: Path | None = None, default_port: bool = False
+) -> tuple[subprocess.CompletedProcess, float]:
     """Runs `zerotrain launch ARGS`; returns the finished process (stdout+stderr merged) and seconds taken.
 
     A fresh free --master_port is passed unless `default_port`, so tests do not

@@ -1,0 +1,200 @@
+"""The `zerotrain` command: parses the command line and hands off to the subcommand.
+
+    zerotrain launch [--num_gpus N] [--master_addr A] [--master_port P]
+                     [--module] [--no_python] [--no_local_rank] SCRIPT [ARGS...]
+    zerotrain config check PATH [--world-size N] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.json import JSON
+from rich.markup import escape
+
+# Exit status for a bad command line or an invalid config, as argparse uses.
+USAGE_EXIT_CODE = 2
+
+
+def _stderr() -> Console:
+    # soft_wrap: messages keep their own line breaks instead of being folded at 80 columns.
+    return Console(stderr=True, soft_wrap=True)
+
+
+def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
+    launch = subparsers.add_parser(
+        "launch",
+        help="run a training script as N processes on this machine",
+        description="Run SCRIPT as N processes on this machine, one per GPU (one process without "
+        "GPUs). Each process gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its "
+        "environment and, as with DeepSpeed's launcher, --local_rank=K on its command line. If a "
+        "rank fails, the others are stopped and its exit code is returned.",
+    )
+    launch.add_argument(
+        "--num_gpus",
+        "--num_accelerators",
+        "--nproc_per_node",
+        "--nproc-per-node",
+        dest="nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="number of processes (default: the number of local GPUs, or 1 without GPUs)",
+    )
+    launch.add_argument(
+        "--master_addr", default="127.0.0.1", metavar="ADDR", help="rendezvous address (default: %(default)s)"
+    )
+    launch.add_argument(
+        "--master_port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="rendezvous port (default: 29500, or a free port if 29500 is busy)",
+    )
+    launch.add_argument("--module", action="store_true", help="run SCRIPT as a module, like 'python -m'")
+    launch.add_argument(
+        "--no_python", action="store_true", help="run SCRIPT as a program directly, not through python"
+    )
+    launch.add_argument(
+        "--no_local_rank", action="store_true", help="do not pass --local_rank=K to SCRIPT (LOCAL_RANK is still set)"
+    )
+    launch.add_argument("script", metavar="SCRIPT", help="training script (or module with --module)")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT")
+    launch.set_defaults(handler=run_launch)
+
+
+def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
+    config = subparsers.add_parser(
+        "config", help="work with DeepSpeed config files", description="Work with DeepSpeed config files."
+    )
+    config_commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
+    check = config_commands.add_parser(
+        "check",
+        help="validate a config and print it with every value resolved",
+        description="Load a DeepSpeed config (JSON, with comments allowed), resolve its \"auto\" "
+        "values for the given world size and print the result. Exits 2 with the reason when "
+        "the config is invalid.",
+    )
+    check.add_argument("path", metavar="PATH", help="the config file")
+    check.add_argument(
+        "--world-size",
+        "--world_size",
+        dest="world_size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="number of ranks to resolve batch sizes for (default: %(default)s)",
+    )
+    check.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='value for a key the config sets to "auto", dotted, e.g. scheduler.params.total_num_steps=100; '
+        "VALUE is read as JSON when it parses (1e-3, true, [1,2]), else as a string. Repeatable.",
+    )
+    check.set_defaults(handler=run_config_check)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `zerotrain` command, with all its subcommands."""
+    from zerotrain import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="zerotrain", description="ZeRO distributed training for PyTorch, DeepSpeed-compatible."
+    )
+    parser.add_argument("--version", action="version", version=f"zerotrain {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_launch_parser(subparsers)
+    _add_config_parser(subparsers)
+    return parser
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """`zerotrain launch`: runs the script on this machine and returns the job's exit status."""
+    from zerotrain.launcher.local import LaunchError, LocalLaunch, launch_local
+
+    request = LocalLaunch(
+        target=args.script,
+        target_args=tuple(args.script_args),
+        nproc=args.nproc,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        module=args.module,
+        no_python=args.no_python,
+        local_rank_arg=not args.no_local_rank,
+    )
+    try:
+        return launch_local(request)
+    except LaunchError as error:
+        _stderr().print(f"[bold red]zerotrain launch:[/] {escape(str(error))}")
+        return USAGE_EXIT_CODE
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, object]:
+    """Turns ``["a.b=1e-3", "c=x"]`` into ``{"a.b": 0.001, "c": "x"}`` (JSON values where they parse)."""
+    overrides: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            value: object = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        overrides[key.strip()] = value
+    return overrides
+
+
+_MISSING = object()
+
+
+def _value_at(data: object, dotted_key: str) -> object:
+    """`data["a"]["b"]` for "a.b", or `_MISSING` when the path is absent."""
+    for part in dotted_key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return _MISSING
+        data = data[part]
+    return data
+
+
+def run_config_check(args: argparse.Namespace) -> int:
+    """`zerotrain config check`: prints the resolved config (0), or why it is invalid (2)."""
+    from zerotrain.config import ConfigError, load_config, resolve_config
+
+    console = _stderr()
+    try:
+        overrides = parse_overrides(args.overrides)
+    except ValueError as error:
+        console.print(f"[bold red]zerotrain config check:[/] {escape(str(error))}")
+        return USAGE_EXIT_CODE
+    try:
+        cfg = resolve_config(load_config(args.path), world_size=args.world_size, model=None, auto_values=overrides)
+    except (ConfigError, OSError) as error:
+        # The message is the whole story (it names the file, key and fix); a traceback would bury it.
+        console.print(f"[red]{escape(str(error))}[/]")
+        if '"auto"' in str(error):
+            console.print('[dim]fill "auto" values here with --set KEY=VALUE[/]')
+        return USAGE_EXIT_CODE
+    resolved = cfg.model_dump(mode="json", exclude_none=True)
+    for key, value in overrides.items():
+        # resolve_config fills only "auto" values and ignores other keys: say so.
+        if _value_at(resolved, key) != value:
+            console.print(
+                f"[yellow]--set {escape(key)} had no effect: only values the config sets to \"auto\" are filled[/]"
+            )
+    # soft_wrap: long strings must not be folded, so the output stays valid JSON.
+    Console().print(JSON.from_data(resolved), soft_wrap=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `zerotrain` console script and of `python -m zerotrain`."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    return int(args.handler(args))

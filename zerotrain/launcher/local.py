@@ -1,0 +1,230 @@
+"""One-machine launcher: starts N worker processes under torch's elastic agent.
+
+This is what `zerotrain launch` runs. The agent (the engine behind ``torchrun``)
+gives every worker RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT,
+watches them, stops all of them as soon as one fails, and forwards Ctrl-C.
+We drive it through torchrun's own command-line parser because those flags are
+the interface torch keeps stable across releases (2.5 through 2.13), whereas
+``LaunchConfig``'s fields change from release to release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.markup import escape
+
+from zerotrain.launcher import bootstrap
+from zerotrain.launcher.failures import read_failure_times, report_failure
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+# DeepSpeed's and torchrun's default rendezvous port.
+DEFAULT_MASTER_PORT = 29500
+# Seconds between the agent's checks on its workers; short, so a failed rank
+# stops the job within a fraction of a second rather than the old default of 5 s.
+MONITOR_INTERVAL_S = 0.1
+
+
+class LaunchError(Exception):
+    """A problem with the launch request, found before any worker started."""
+
+
+@dataclass(frozen=True)
+class LocalLaunch:
+    """What to run, and how many copies: the parsed `zerotrain launch` request."""
+
+    target: str
+    target_args: Sequence[str] = field(default_factory=tuple)
+    nproc: int | None = None
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int | None = None
+    module: bool = False
+    no_python: bool = False
+    local_rank_arg: bool = True
+
+
+def visible_gpu_count() -> int:
+    """Number of CUDA GPUs this process can see (0 on a CPU-only machine or torch build)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a TCP server could listen on `port` on every interface of this machine right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Same option the store uses, so a port in TIME_WAIT is not reported as busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_free_port() -> int:
+    """A port the operating system says is free now (it may be taken again before we use it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def choose_master_port(requested: int | None, console: Console) -> int:
+    """The rendezvous port: the user's, else 29500, else (29500 busy) a free one, saying so."""
+    if requested is not None:
+        if not 0 < requested < 65536:
+            raise LaunchError(f"--master_port must be between 1 and 65535, got {requested}")
+        if not port_is_free(requested):
+            raise LaunchError(
+                f"--master_port {requested} is already in use on this machine "
+                "(another job still running?); choose another port or leave it out to pick a free one"
+            )
+        return requested
+    if port_is_free(DEFAULT_MASTER_PORT):
+        return DEFAULT_MASTER_PORT
+    port = pick_free_port()
+    console.print(f"[yellow]zerotrain launch: port {DEFAULT_MASTER_PORT} is busy, using free port {port}[/]")
+    return port
+
+
+def check_target(launch: LocalLaunch) -> None:
+    """Raises LaunchError if the script, module or program to run cannot be found."""
+    if launch.module and launch.no_python:
+        raise LaunchError("--module and --no_python cannot be used together")
+    if launch.no_python:
+        if shutil.which(launch.target) is None:
+            raise LaunchError(f"program not found or not executable: {launch.target}")
+    elif launch.module:
+        # Workers run with the working directory first on sys.path, as `python -m` does.
+        top_level = launch.target.split(".")[0]
+        if importlib.machinery.PathFinder.find_spec(top_level, [os.getcwd(), *sys.path]) is None:
+            raise LaunchError(f"no module named {top_level!r} (looked in the working directory and sys.path)")
+    elif not os.path.isfile(launch.target):
+        raise LaunchError(f"script not found: {launch.target}")
+
+
+def torchrun_argv(launch: LocalLaunch, nproc: int, master_port: int) -> list[str]:
+    """The torchrun command line that runs `launch` on this machine alone.
+
+    Underscore spellings are used because every torch release since 1.9 accepts them.
+    """
+    argv = [
+        "--nnodes=1",
+        "--node_rank=0",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=static",
+        f"--master_addr={launch.master_addr}",
+        f"--master_port={master_port}",
+        "--max_restarts=0",
+        f"--monitor_interval={MONITOR_INTERVAL_S}",
+    ]
+    if launch.no_python:
+        from torch.distributed.elastic.utils import macros
+
+        # The agent replaces the ${local_rank} macro in each worker's arguments.
+        rank_arg = [f"--local_rank={macros.local_rank}"] if launch.local_rank_arg else []
+        return [*argv, "--no_python", launch.target, *rank_arg, *launch.target_args]
+    bootstrap_args = bootstrap.build_bootstrap_args(
+        launch.target, list(launch.target_args), module=launch.module, local_rank_arg=launch.local_rank_arg
+    )
+    return [*argv, os.path.abspath(bootstrap.__file__), *bootstrap_args]
+
+
+@contextlib.contextmanager
+def _quiet_agent_logs() -> Iterator[None]:
+    """Silences the agent's own log lines while it runs, unless the user set LOGLEVEL.
+
+    On a failure the agent logs pids, binaries and SIGTERMs; our summary says
+    the same in user terms. LOGLEVEL is torch elastic's switch for its logs, so
+    a user who sets it to debug the launcher still gets them.
+    """
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+    loggers = [
+        logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(prefixes)
+    ]
+    saved = [(logger, logger.level) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _worker_environment(nproc: int, failure_times_dir: str) -> Iterator[None]:
+    """Sets the variables the workers inherit from us for the duration of the job."""
+    added = {bootstrap.FAILURE_TIMES_ENV: failure_times_dir}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Every rank gets the same share of the cores; setting it ourselves also
+        # keeps torchrun from printing its own OMP_NUM_THREADS warning.
+        added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    saved = {name: os.environ.get(name) for name in added}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def launch_local(launch: LocalLaunch, console: Console | None = None) -> int:
+    """Runs `launch` as `nproc` local worker processes and returns the job's exit status.
+
+    0 when every rank exits 0; the first failing rank's exit code (or 1) when one
+    fails, after the agent has stopped the others; 130 on Ctrl-C. Raises
+    LaunchError for a bad request, before anything starts.
+    """
+    console = console or Console(stderr=True)
+    check_target(launch)
+    gpus = visible_gpu_count()
+    nproc = max(1, gpus) if launch.nproc is None else launch.nproc
+    if nproc < 1:
+        raise LaunchError(f"the number of processes must be at least 1, got {nproc}")
+    master_port = choose_master_port(launch.master_port, console)
+
+    # Imported here: torch.distributed.run is slow to import and `--help` should not pay for it.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    console.print(
+        f"[dim]zerotrain launch: {nproc} process{'es' if nproc > 1 else ''} "
+        f"({'GPU' if gpus else 'CPU, Gloo'}), master {launch.master_addr}:{master_port}[/]"
+    )
+    failure_times_dir = tempfile.mkdtemp(prefix="zerotrain-launch-")
+    try:
+        with _worker_environment(nproc, failure_times_dir), _quiet_agent_logs():
+            run(parse_args(torchrun_argv(launch, nproc, master_port)))
+    except ChildFailedError as error:
+        return report_failure(error, console, read_failure_times(failure_times_dir))
+    except (SignalException, KeyboardInterrupt) as error:
+        # The agent has already stopped every worker with the same signal.
+        sigval = getattr(error, "sigval", signal.SIGINT)
+        code = 128 + int(sigval)
+        console.print(f"[yellow]zerotrain launch: interrupted ({signal.Signals(sigval).name}), all ranks stopped[/]")
+        return code
+    except Exception as error:  # noqa: BLE001 - e.g. the rendezvous port was taken meanwhile
+        console.print(f"[bold red]zerotrain launch: could not run the workers:[/] {escape(repr(error))}")
+        return 1
+    finally:
+        shutil.rmtree(failure_times_dir, ignore_errors=True)
+    return 0
