@@ -71,6 +71,14 @@ def test_config_path_comes_from_args_deepspeed_config(tmp_path):
     assert engine.gradient_accumulation_steps() == 2 and engine.train_batch_size() == 8
 
 
+def test_deepspeed_script_helpers_exist_under_the_same_names():
+    parser = zerotrain.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert args.deepspeed and args.deepspeed_config == "ds.json"
+    zerotrain.init_distributed()  # idempotent, as deepspeed.init_distributed
+    assert torch.distributed.is_initialized()
+
+
 def test_counters_follow_accumulation_boundaries():
     engine, *_ = zerotrain.initialize(model=_model(), config=_config(gradient_accumulation_steps=3))
     boundaries = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Any, Iterable
 
@@ -78,6 +79,14 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds DeepSpeed's command-line flags (`--deepspeed`, `--deepspeed_config`) to `parser`."""
+    group = parser.add_argument_group("zerotrain", "DeepSpeed-compatible configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable zerotrain (kept for compatibility)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config file")
+    return parser
 
 
 def _set_up_logging(rank: int) -> None:

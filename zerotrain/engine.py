@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from zerotrain.distributed import read_launch_env
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import build_loss_scaler
 from zerotrain.wall_clock import WallClockBreakdown
@@ -56,6 +57,7 @@ class Engine(nn.Module):
         self.device = device
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.local_rank = read_launch_env().local_rank
         self.module = model.to(device)
         self.plan = StagePlan(config.zero_optimization.stage)
         self.compute_dtype = config.compute_dtype
