@@ -21,7 +21,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue) -> None:
+def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue, env: dict | None = None) -> None:
+    os.environ.update(env or {})
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -43,18 +44,27 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue) ->
             dist.destroy_process_group()
 
 
+def start_ranks(world_size: int, fn, *args, env: dict | None = None):
+    """Starts `fn(*args)` on `world_size` fresh processes; returns (processes, result queue).
+
+    For tests that must interrupt the ranks (e.g. kill them mid-save); others use `run_on_ranks`.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, queue, env)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
 def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> list:
     """Runs `fn(*args)` on `world_size` fresh processes (env set as torchrun does).
 
     `fn` must be a module-level function. Returns the per-rank results, rank order.
     A rank's exception fails the test with that rank's traceback; a hang fails at `timeout`.
     """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs, queue = start_ranks(world_size, fn, *args)
     results: dict[int, object] = {}
     errors: list[str] = []
     try:

@@ -226,6 +226,36 @@ class Engine(nn.Module):
         """Norm of the whole (unscaled, unclipped) gradient at the last step; inf if fp16 overflowed."""
         return self.optimizer.last_grad_norm
 
+    # --- checkpoints (zerotrain/checkpoint/) ----------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> str:
+        """Saves the full training state; every rank must call it. Returns the checkpoint directory."""
+        from zerotrain.checkpoint.saver import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict | None]:
+        """Restores a checkpoint saved at any world size and stage; returns (load_path, client_state)."""
+        from zerotrain.checkpoint.loader import load_checkpoint
+
+        return load_checkpoint(
+            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
+        """Writes the weights in the training dtype to one safetensors file (rank 0 writes)."""
+        from zerotrain.checkpoint.model_weights import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename)
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, master weights and optimizer state."""
         return self.optimizer.resident_bytes()

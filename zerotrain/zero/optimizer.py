@@ -105,7 +105,7 @@ class ZeroOptimizer:
                     fp.shard().copy_(fp.master)
         self.zero_grad()
         if self.sharded:
-            self._all_gather_params()
+            self.all_gather_params()
         return True
 
     def _master_grad(self, fp: FlatParam) -> torch.Tensor:
@@ -126,7 +126,7 @@ class ZeroOptimizer:
             zdist.all_reduce(sq, "scalar")
         return float(sq.sqrt())
 
-    def _all_gather_params(self) -> None:
+    def all_gather_params(self) -> None:
         """Rebuilds whole parameters from every rank's updated shard, bucket by bucket."""
         bucket: list[FlatParam] = []
         size = 0

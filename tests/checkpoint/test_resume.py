@@ -1,0 +1,131 @@
+"""Stop anywhere, go on exactly: resume equality and resharding across world sizes and stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_on_ranks
+from llama_workload import global_batch, make_model, param_groups, zero_config
+
+K, M = 3, 3  # steps before the checkpoint, steps after it
+
+
+def _config(stage: int, world: int, gas: int, dtype: str = "fp32") -> dict:
+    cfg = zero_config(stage, world, gas, dtype)
+    cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10, "warmup_max_lr": 1e-2}}
+    if dtype == "fp16":
+        # a window longer than K, so the checkpoint lands mid-window
+        cfg["fp16"].update(loss_scale_window=4, hysteresis=2)
+    return cfg
+
+
+def _segment(config: dict, first: int, last: int, load_dir=None, save_dir=None) -> dict:
+    """Trains steps [first, last) on this rank, optionally loading before and saving after."""
+    import torch.distributed as dist
+
+    import zerotrain
+
+    model = make_model(seed=123 if load_dir else 0)  # a resumed run must not depend on its own init
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
+    if load_dir:
+        path, client = engine.load_checkpoint(load_dir)
+        assert client == {"data_position": first}, client
+        assert engine.global_steps == first
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gas, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for step in range(first, last):
+        ids = global_batch(step)
+        for m in range(gas):
+            chunk = ids[(m * world + rank) * micro :][:micro]
+            loss = engine(input_ids=chunk, labels=chunk).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    if save_dir:
+        engine.save_checkpoint(save_dir, client_state={"data_position": last})
+    scale = engine.optimizer.cur_scale
+    return {
+        "losses": losses,
+        "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        "lr": engine.get_lr(),
+        "scale": scale,
+        "skipped": engine.skipped_steps,
+    }
+
+
+CASES = [(0, 1, "fp32"), (1, 1, "fp32"), (2, 1, "fp32"), (1, 2, "fp32"), (2, 2, "fp32"), (2, 1, "fp16")]
+RESUME_WORLD = 2
+
+
+def _run_all(jobs: list[tuple]) -> list[dict]:
+    """Several segments one after another in the same ranks (spawning is the slow part)."""
+    return [_segment(*job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    """Per case: an uninterrupted run, and a run stopped after K steps then resumed in new processes."""
+    root = tmp_path_factory.mktemp("resume")
+    configs = [_config(s, RESUME_WORLD, g, d) for s, g, d in CASES]
+    first = [(cfg, 0, K + M) for cfg in configs] + [(cfg, 0, K, None, str(root / str(i))) for i, cfg in enumerate(configs)]
+    whole = run_on_ranks(RESUME_WORLD, _run_all, first)
+    resumed = run_on_ranks(RESUME_WORLD, _run_all, [(cfg, K, K + M, str(root / str(i))) for i, cfg in enumerate(configs)])
+    return {case: ([w[i] for w in whole], [r[i] for r in resumed]) for i, case in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"stage{s}-accum{g}-{d}" for s, g, d in CASES])
+def test_resumed_run_equals_uninterrupted_run_bitwise(resume_runs, case):
+    whole, resumed = resume_runs[case]
+    gas = case[1]
+    for w, r in zip(whole, resumed):
+        assert r["losses"] == w["losses"][K * gas :], "losses after resume differ"
+        for name, t in w["weights"].items():
+            assert torch.equal(r["weights"][name], t), f"{name} differs after resume"
+        assert r["lr"] == w["lr"] and r["scale"] == w["scale"] and r["skipped"] == w["skipped"]
+
+
+# (world, stage) saved -> (world, stage) loaded
+RESHARD = [((4, 2), (2, 2)), ((2, 2), (1, 0)), ((2, 2), (2, 0)), ((2, 1), (4, 2))]
+
+
+@pytest.fixture(scope="module")
+def reshard_runs(tmp_path_factory):
+    """Saves at (N, s), goes on at (N, s) as the reference, and at (M, t) from the same checkpoint.
+
+    Jobs are grouped by world size so that each world is spawned once per phase.
+    """
+    root = tmp_path_factory.mktemp("reshard")
+    ckpt = {before: str(root / f"w{before[0]}s{before[1]}") for before, _ in RESHARD}
+    jobs: dict[int, list] = {}
+    for (n, s), path in ckpt.items():
+        jobs.setdefault(n, []).append(("save", (n, s), (_config(s, n, 1), 0, K, None, path)))
+        jobs[n].append(("go_on", (n, s), (_config(s, n, 1), K, K + M, path)))
+    results: dict = {}
+    for n in sorted(jobs, reverse=True):
+        out = run_on_ranks(n, _run_all, [job for _, _, job in jobs[n]])
+        for i, (kind, key, _) in enumerate(jobs[n]):
+            results[(kind, key)] = [rank[i] for rank in out]
+    moved_jobs: dict[int, list] = {}
+    for before, (m, t) in RESHARD:
+        moved_jobs.setdefault(m, []).append(((before, (m, t)), (_config(t, m, 1), K, K + M, ckpt[before])))
+    for m, items in moved_jobs.items():
+        out = run_on_ranks(m, _run_all, [job for _, job in items])
+        for i, (key, _) in enumerate(items):
+            results[("moved", key)] = [rank[i] for rank in out]
+    return results
+
+
+def _global_losses(ranks: list[dict]) -> list[float]:
+    return [sum(step) / len(ranks) for step in zip(*[r["losses"] for r in ranks])]
+
+
+@pytest.mark.parametrize("before,after", RESHARD, ids=[f"world{a[0]}-stage{a[1]}-to-world{b[0]}-stage{b[1]}" for a, b in RESHARD])
+def test_checkpoint_loads_at_another_world_size_and_stage(reshard_runs, before, after):
+    go_on = reshard_runs[("go_on", before)]
+    moved = reshard_runs[("moved", (before, after))]
+    torch.testing.assert_close(torch.tensor(_global_losses(moved)), torch.tensor(_global_losses(go_on)), rtol=1e-5, atol=1e-6)
+    for name, t_ref in go_on[0]["weights"].items():
+        err = (moved[0]["weights"][name] - t_ref).norm() / t_ref.norm()
+        assert err <= 1e-5, f"{name}: relative difference {err:.2e}"

@@ -1,0 +1,74 @@
+"""Coordinator: the few collectives a checkpoint needs, on a Gloo group, with a timeout.
+
+Checkpoint calls must be made by every rank. A barrier that waits forever would
+turn a call from one rank alone into a hang, so ranks meet with
+`monitored_barrier`, which fails after a timeout and names the absent ranks.
+A dedicated Gloo group keeps this working when training runs on NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from zerotrain.checkpoint.errors import CheckpointError
+
+# Seconds ranks wait for each other inside save/load; override for very slow file systems.
+TIMEOUT_ENV = "ZEROTRAIN_CHECKPOINT_TIMEOUT"
+# Test hook: rank 0 pauses at this phase of a save (and says so in a file) so a test can kill it there.
+PAUSE_ENV = "ZEROTRAIN_TEST_CHECKPOINT_PAUSE_AT"
+
+
+class Coordinator:
+    """Barrier / broadcast / gather among the ranks of one engine."""
+
+    def __init__(self, group, rank: int, world_size: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 300)))
+
+    @classmethod
+    def for_engine(cls, engine) -> "Coordinator":
+        """The engine's checkpoint group, created once (every rank creates it at the same call)."""
+        if engine.world_size > 1 and getattr(engine, "_checkpoint_group", None) is None:
+            engine._checkpoint_group = dist.new_group(backend="gloo")
+        return cls(getattr(engine, "_checkpoint_group", None), engine.rank, engine.world_size)
+
+    def meet(self, what: str) -> None:
+        if self.world_size == 1:
+            return
+        try:
+            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"{what}: not every rank took part within {self.timeout.total_seconds():.0f}s — it must be "
+                f"called on all {self.world_size} ranks ({e})"
+            ) from e
+
+    def from_rank0(self, value):
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather_to_rank0(self, value) -> list:
+        if self.world_size == 1:
+            return [value]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(value, out, dst=0, group=self.group)
+        return out or []
+
+    def pause_point(self, phase: str) -> None:
+        """Test hook for crash-safety tests; does nothing unless the environment asks for `phase`."""
+        spec = os.environ.get(PAUSE_ENV, "")
+        if spec.split(":", 1)[0] != phase:
+            return
+        marker = Path(spec.split(":", 1)[1])
+        marker.write_text(phase)
+        time.sleep(3600)

@@ -1,0 +1,155 @@
+"""load_checkpoint: fills this engine's shards from a checkpoint saved at any world size and stage.
+
+Each rank reads only the parameter ranges its own master shard covers (plus the
+whole parameters at stages 0-2, which every rank holds anyway, by all-gathering
+after the load). Nothing is unpickled beyond torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from zerotrain.checkpoint.coordination import Coordinator
+from zerotrain.checkpoint.errors import CheckpointError
+from zerotrain.checkpoint.layout import LATEST, MASTER, STATE, param_slices_in, rng_file
+from zerotrain.checkpoint.reader import CheckpointReader
+from zerotrain.checkpoint.saver import module_entries
+
+log = logging.getLogger("zerotrain")
+
+
+def load_checkpoint(
+    engine,
+    load_dir: str | os.PathLike,
+    tag: str | None,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[str | None, dict | None]:
+    """Restores `engine` from LOAD_DIR/TAG (default: the tag in `latest`). Returns (path, client_state)."""
+    coord = Coordinator.for_engine(engine)
+    coord.meet("load_checkpoint")
+    if tag is None and not (Path(load_dir) / LATEST).is_file():
+        # As DeepSpeed: starting a run with nothing to resume from is not an error.
+        if engine.rank == 0:
+            log.warning("no checkpoint to load: %s does not exist", Path(load_dir) / LATEST)
+        return None, None
+    with CheckpointReader(load_dir, tag) as reader:
+        _check_names(engine, reader, load_module_strict)
+        _load_weights(engine, reader)
+        client_state: dict = {}
+        if not load_module_only:
+            state = _load_torch_file(reader.tag_dir / STATE)
+            if load_optimizer_states:
+                _load_optimizer_state(engine, reader)
+            _load_counters(engine, reader.meta)
+            if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
+                engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            _load_rng(reader.tag_dir / rng_file(engine.rank), same_world=reader.meta["world_size"] == engine.world_size)
+            client_state = state.get("client_state", {})
+        path = str(reader.tag_dir)
+    coord.meet("load_checkpoint:done")
+    return path, client_state
+
+
+def _check_names(engine, reader: CheckpointReader, strict: bool) -> None:
+    ours = {n for fp in engine.flat_params for n in fp.names} | set(module_entries(engine))
+    theirs = set(reader.params) | set(reader.module_entries)
+    missing, unexpected = sorted(ours - theirs), sorted(theirs - ours)
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{reader.tag_dir} does not match this model: missing {missing[:10]}, unexpected {unexpected[:10]} "
+            "(pass load_module_strict=False to load the parameters that match)"
+        )
+
+
+def _load_weights(engine, reader: CheckpointReader) -> None:
+    with torch.no_grad():
+        for fp in engine.flat_params:
+            lo = fp.shard_start
+            for name, start, numel, flat in param_slices_in(fp.names, fp.offsets, fp.numels, lo, lo + fp.master.numel()):
+                values = _read_values(reader, name, start, numel)
+                if values is not None:
+                    fp.master[flat - lo : flat - lo + numel].copy_(values)
+            if not fp.master_is_param:
+                fp.shard().copy_(fp.master)
+        if engine.optimizer.sharded:
+            engine.optimizer.all_gather_params()
+        for name, t in module_entries(engine).items():
+            values = _read_values(reader, name, 0, t.numel())
+            if values is not None:
+                t.data.copy_(values.view(t.shape))
+
+
+def _read_values(reader: CheckpointReader, name: str, start: int, numel: int) -> torch.Tensor | None:
+    """Elements of `name` wherever the checkpoint has them: trainable there, or stored whole."""
+    if name in reader.params:
+        return reader.read_range(MASTER, name, start, start + numel)
+    if name in reader.module_entries:
+        return reader.read_module(name).reshape(-1)[start : start + numel]
+    return None
+
+
+def _load_optimizer_state(engine, reader: CheckpointReader) -> None:
+    inner = engine.optimizer.optimizer
+    meta = reader.meta
+    if len(meta["param_groups"]) != len(inner.param_groups):
+        raise CheckpointError(
+            f"{reader.tag_dir}: the checkpoint has {len(meta['param_groups'])} optimizer param groups, this engine "
+            f"{len(inner.param_groups)}; pass the same model_parameters grouping, or load_optimizer_states=False"
+        )
+    kinds = [k for k in reader.kinds if k != MASTER]
+    for fp in engine.flat_params:
+        state = inner.state[fp.master]
+        lo = fp.shard_start
+        slices = param_slices_in(fp.names, fp.offsets, fp.numels, lo, lo + fp.master.numel())
+        for kind in kinds:
+            buf = torch.zeros_like(fp.master, dtype=torch.float32)
+            for name, start, numel, flat in slices:
+                if name in reader.params:
+                    buf[flat - lo : flat - lo + numel].copy_(reader.read_range(kind, name, start, start + numel))
+            state[kind] = buf
+        for key, spec in meta["group_scalars"][fp.group_index].items():
+            dtype = spec["dtype"]
+            state[key] = torch.tensor(spec["value"], dtype=getattr(torch, dtype)) if dtype else spec["value"]
+    for group, saved in zip(inner.param_groups, meta["param_groups"]):
+        for key, value in saved.items():
+            if key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
+def _load_counters(engine, meta: dict) -> None:
+    counters = meta["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.micro_steps = counters["micro_steps"]
+    engine.skipped_steps = counters["skipped_steps"]
+    engine.global_samples = counters["global_samples"]
+    if engine.loss_scaler is not None and meta.get("loss_scaler"):
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+
+
+def _load_rng(path: Path, same_world: bool) -> None:
+    """Restores this rank's RNG streams (only meaningful when the world size is unchanged)."""
+    if not same_world or not path.is_file():
+        return
+    rng = _load_torch_file(path)
+    torch.set_rng_state(rng["torch"])
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _load_torch_file(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"missing checkpoint file {path}")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path}: truncated, corrupt or not weights-only data ({e})") from e
