@@ -95,6 +95,9 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._inside_no_sync = False
         self.timers = WallClockBreakdown(config.wall_clock_breakdown, device)
+        # Checkpoint calls meet on a Gloo group with a timeout; creating a group is itself a
+        # collective, so it happens here, where every rank is, not in the first save.
+        self._checkpoint_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
 
     # --- construction --------------------------------------------------------------------
 

@@ -34,10 +34,8 @@ class Coordinator:
 
     @classmethod
     def for_engine(cls, engine) -> "Coordinator":
-        """The engine's checkpoint group, created once (every rank creates it at the same call)."""
-        if engine.world_size > 1 and getattr(engine, "_checkpoint_group", None) is None:
-            engine._checkpoint_group = dist.new_group(backend="gloo")
-        return cls(getattr(engine, "_checkpoint_group", None), engine.rank, engine.world_size)
+        """Coordinates on the Gloo group the engine created for checkpoints."""
+        return cls(engine._checkpoint_group, engine.rank, engine.world_size)
 
     def meet(self, what: str) -> None:
         if self.world_size == 1:

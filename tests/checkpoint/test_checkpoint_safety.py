@@ -1,0 +1,143 @@
+"""A checkpoint survives a killed save, refuses a lone caller, and names the file it cannot read."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import zerotrain
+from conftest import run_on_ranks, start_ranks
+from llama_workload import global_batch, make_model, param_groups, zero_config
+from zerotrain.checkpoint import CheckpointError, CheckpointReader
+from zerotrain.checkpoint.coordination import PAUSE_ENV, TIMEOUT_ENV
+
+
+def _engine(stage: int = 2, world: int = 2, seed: int = 0):
+    model = make_model(seed=seed)
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=zero_config(stage, world, 1))
+    return engine
+
+
+def _step(engine, step: int) -> None:
+    import torch.distributed as dist
+
+    micro, rank = engine.train_micro_batch_size_per_gpu(), dist.get_rank()
+    ids = global_batch(step)[rank * micro :][:micro]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+
+def _save_twice(save_dir: str) -> None:
+    """Saves global_step1 normally, then global_step2 with the test's pause point armed."""
+    engine = _engine()
+    pause = os.environ.pop(PAUSE_ENV, None)
+    _step(engine, 0)
+    engine.save_checkpoint(save_dir)
+    if pause:
+        os.environ[PAUSE_ENV] = pause
+    _step(engine, 1)
+    engine.save_checkpoint(save_dir)
+
+
+@pytest.mark.parametrize("phase", ["after_shards", "before_rename", "before_latest"])
+def test_save_killed_midway_leaves_latest_pointing_at_a_whole_checkpoint(tmp_path, phase):
+    save_dir, marker = tmp_path / "ckpt", tmp_path / "paused"
+    procs, _ = start_ranks(2, _save_twice, str(save_dir), env={PAUSE_ENV: f"{phase}:{marker}"})
+    try:
+        deadline = time.time() + 180
+        while not marker.exists():
+            assert time.time() < deadline, "the save never reached its pause point"
+            assert all(p.is_alive() for p in procs), "a rank died before the pause point"
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    assert (save_dir / "latest").read_text() == "global_step1"
+    engine = _engine(world=1, seed=7)  # a fresh single process loads what the 2-rank job left
+    path, _ = engine.load_checkpoint(str(save_dir))
+    assert path.endswith("global_step1") and engine.global_steps == 1
+    with CheckpointReader(save_dir) as reader:  # every slice of every parameter is there
+        for name in reader.params:
+            reader.read_param("master", name)
+
+
+def _save_from_rank1_only(save_dir: str) -> str:
+    import torch.distributed as dist
+
+    engine = _engine()
+    if dist.get_rank() == 1:
+        started = time.time()
+        try:
+            engine.save_checkpoint(save_dir)
+        except CheckpointError as e:
+            return f"{time.time() - started:.1f}s: {e}"
+        return "no error"
+    time.sleep(8)  # rank 0 is busy elsewhere and never joins the save
+    return "idle"
+
+
+def test_save_called_on_one_rank_alone_fails_with_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(TIMEOUT_ENV, "3")
+    _, outcome = run_on_ranks(2, _save_from_rank1_only, str(tmp_path))
+    assert "must be called on all 2 ranks" in outcome, outcome
+    assert float(outcome.split("s:")[0]) < 30
+
+
+@pytest.fixture
+def saved(tmp_path):
+    engine = _engine(world=1)
+    _step(engine, 0)
+    engine.save_checkpoint(tmp_path)
+    return tmp_path, tmp_path / "global_step1"
+
+
+def test_loading_a_tag_that_does_not_exist_names_it(saved):
+    root, _ = saved
+    with pytest.raises(CheckpointError, match="no checkpoint tag 'global_step9'.*available: global_step1"):
+        _engine(world=1).load_checkpoint(root, tag="global_step9")
+
+
+def test_missing_or_truncated_shard_file_is_named(saved):
+    root, tag_dir = saved
+    shard = tag_dir / "shards_rank00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="shards_rank00000.safetensors"):
+        _engine(world=1).load_checkpoint(root)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="missing shard file .*shards_rank00000.safetensors"):
+        _engine(world=1).load_checkpoint(root)
+
+
+def test_unknown_format_is_refused(saved):
+    root, tag_dir = saved
+    meta = json.loads((tag_dir / "meta.json").read_text())
+    meta["format"] = "deepspeed-zero/0"
+    (tag_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="meta.json: unknown checkpoint format 'deepspeed-zero/0'"):
+        _engine(world=1).load_checkpoint(root)
+
+
+def test_no_checkpoint_yet_returns_none_like_deepspeed(tmp_path):
+    assert _engine(world=1).load_checkpoint(tmp_path) == (None, None)
+
+
+def test_client_state_that_needs_unpickling_is_refused_at_save(tmp_path):
+    with pytest.raises(CheckpointError, match=r"client_state\['fn'\] is a function"):
+        _engine(world=1).save_checkpoint(tmp_path, client_state={"fn": lambda: 0})
+
+
+def test_save_16bit_model_writes_loadable_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    engine = _engine(world=1)
+    _step(engine, 0)
+    engine.save_16bit_model(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(weights[name], p.detach())
