@@ -3,6 +3,8 @@
     zerotrain launch [--num_gpus N] [--master_addr A] [--master_port P]
                      [--module] [--no_python] [--no_local_rank] SCRIPT [ARGS...]
     zerotrain config check PATH [--world-size N] [--set KEY=VALUE ...]
+    zerotrain consolidate CHECKPOINT_DIR OUTPUT [--tag T] [--dtype fp32|bf16|fp16]
+                          [--max-shard-size 5GB] [--hf [MODEL_CONFIG_DIR]]
 """
 
 from __future__ import annotations
@@ -101,6 +103,46 @@ def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
     check.set_defaults(handler=run_config_check)
 
 
+def _shard_size(text: str) -> int:
+    from zerotrain.checkpoint.consolidate import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _add_consolidate_parser(subparsers: argparse._SubParsersAction) -> None:
+    consolidate = subparsers.add_parser(
+        "consolidate",
+        help="write a checkpoint's full model as safetensors or a Hugging Face model directory",
+        description="Gather the fp32 master weights of a checkpoint saved at any world size and stage "
+        "into one model: safetensors files (sharded Hugging Face style past --max-shard-size), or with "
+        "--hf a directory that transformers' from_pretrained loads. Memory stays near one output shard.",
+    )
+    consolidate.add_argument(
+        "checkpoint_dir", metavar="CHECKPOINT_DIR", help="the save directory (or one tag directory inside it)"
+    )
+    consolidate.add_argument(
+        "output", metavar="OUTPUT", help="output directory (or, without --hf, a file name ending in .safetensors)"
+    )
+    consolidate.add_argument("--tag", default=None, metavar="TAG", help="checkpoint tag (default: the one in `latest`)")
+    consolidate.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+        help="dtype of the weights written (default: fp32; with --hf, the config's dtype)",
+    )
+    consolidate.add_argument(
+        "--max-shard-size", "--max_shard_size", dest="max_shard_size", type=_shard_size, default="5GB",
+        metavar="SIZE", help="largest output file, e.g. 5GB, 500MB, 2GiB or bytes (default: %(default)s)",
+    )
+    consolidate.add_argument(
+        "--hf", nargs="?", const="", default=None, metavar="MODEL_CONFIG_DIR",
+        help="write a Hugging Face model directory: config.json and tokenizer files from MODEL_CONFIG_DIR, "
+        "or without a value the config the checkpoint recorded. Put it after OUTPUT, or write --hf=DIR.",
+    )
+    consolidate.set_defaults(handler=run_consolidate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `zerotrain` command, with all its subcommands."""
     from zerotrain import __version__
@@ -112,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_launch_parser(subparsers)
     _add_config_parser(subparsers)
+    _add_consolidate_parser(subparsers)
     return parser
 
 
@@ -190,6 +233,48 @@ def run_config_check(args: argparse.Namespace) -> int:
             )
     # soft_wrap: long strings must not be folded, so the output stays valid JSON.
     Console().print(JSON.from_data(resolved), soft_wrap=True)
+    return 0
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    """`zerotrain consolidate`: writes the model (0), or says why the checkpoint cannot be read (2)."""
+    from rich.filesize import decimal
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from zerotrain.checkpoint import CheckpointError, consolidate, export_hf
+
+    console = _stderr()
+    counts = {"tensors": 0, "bytes": 0}
+    with Progress(
+        TextColumn("[bold]consolidating[/] {task.description}"), BarColumn(), DownloadColumn(),
+        TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal,
+    ) as progress:
+        task = progress.add_task("", total=None)
+
+        def on_tensor(done: int, total: int, done_bytes: int, total_bytes: int) -> None:
+            counts.update(tensors=done, bytes=done_bytes)
+            progress.update(task, description=f"{done}/{total} tensors", completed=done_bytes, total=total_bytes)
+
+        common = {"tag": args.tag, "max_shard_size": args.max_shard_size, "progress": on_tensor}
+        try:
+            if args.hf is None:
+                written = consolidate(args.checkpoint_dir, args.output, dtype=args.dtype or "fp32", **common)
+            else:
+                written = export_hf(
+                    args.checkpoint_dir, args.output, hf_config_dir=args.hf or None, dtype=args.dtype, **common
+                )
+        except (CheckpointError, OSError) as error:
+            # The message names the file and the fix; a traceback would bury it.
+            progress.stop()
+            console.print(f"[red]zerotrain consolidate: {escape(str(error))}[/]")
+            return USAGE_EXIT_CODE
+    names = [p.name for p in written]
+    listed = ", ".join(names) if len(names) <= 4 else f"{len(names)} files ({names[0]} ... {names[-1]})"
+    kind = "Hugging Face model" if args.hf is not None else "model"
+    Console(soft_wrap=True).print(
+        f"wrote {kind} to {escape(str(written[0].parent))}: {counts['tensors']} tensors, "
+        f"{decimal(counts['bytes'])} in {escape(listed)}"
+    )
     return 0
 
 

@@ -58,7 +58,9 @@ def build_flat_params(
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+    names: dict[nn.Parameter, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, n)  # tied weights keep their first name, as named_parameters() reports
     flat_params: list[FlatParam] = []
     for g, params in enumerate(param_groups):
         for bucket in split_into_buckets(list(reversed(params)), bucket_numel):
