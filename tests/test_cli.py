@@ -21,7 +21,8 @@ GOOD_CONFIG_SETS = ["--set", "scheduler.params.total_num_steps=100", "--set", "t
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--help"], ["launch", "config"]),
+        (["--help"], ["launch", "config", "consolidate"]),
+        (["consolidate", "--help"], ["CHECKPOINT_DIR", "OUTPUT", "--tag", "--dtype", "--max-shard-size", "--hf"]),
         (["launch", "--help"], ["--num_gpus", "--nproc_per_node", "--master_port", "--no_local_rank", "SCRIPT"]),
         (["config", "--help"], ["check"]),
         (["config", "check", "--help"], ["--world-size", "--set", "PATH"]),
