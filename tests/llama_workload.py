@@ -101,5 +101,8 @@ def train_zerotrain(config: dict, steps: int = STEPS, **model_kwargs) -> dict:
             engine.step()
             step_losses.append(loss.item())
         losses.append(sum(step_losses) / gas)
-    weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    from zerotrain.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):  # whole under stage 3 too
+        weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return {"losses": losses, "weights": weights, "engine": engine}

@@ -28,6 +28,7 @@ from zerotrain.precision import build_loss_scaler
 from zerotrain.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
+from zerotrain.zero.param_gatherer import ParamGatherer
 from zerotrain.zero.stage import StagePlan, build_flat_params
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class Engine(nn.Module):
         self.flat_params = build_flat_params(
             model, trainable, self.plan, config.zero_optimization.reduce_bucket_size, self.compute_dtype
         )
+        # Stage 3: parameters are gathered per unit around its forward and backward.
+        self.param_gatherer = ParamGatherer(self.flat_params, model) if self.plan.shards_params else None
         comm = config.communication_data_type
         self.reducer = GradReducer(
             self.flat_params,

@@ -46,16 +46,23 @@ def _segment(config: dict, first: int, last: int, load_dir=None, save_dir=None) 
     if save_dir:
         engine.save_checkpoint(save_dir, client_state={"data_position": last})
     scale = engine.optimizer.cur_scale
+    from zerotrain.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):
+        weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return {
         "losses": losses,
-        "weights": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        "weights": weights,
         "lr": engine.get_lr(),
         "scale": scale,
         "skipped": engine.skipped_steps,
     }
 
 
-CASES = [(0, 1, "fp32"), (1, 1, "fp32"), (2, 1, "fp32"), (1, 2, "fp32"), (2, 2, "fp32"), (2, 1, "fp16")]
+CASES = [
+    (0, 1, "fp32"), (1, 1, "fp32"), (2, 1, "fp32"), (3, 1, "fp32"),
+    (1, 2, "fp32"), (2, 2, "fp32"), (3, 2, "fp32"), (2, 1, "fp16"), (3, 1, "bf16"),
+]
 RESUME_WORLD = 2
 
 
@@ -87,7 +94,7 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(resume_runs, case):
 
 
 # (world, stage) saved -> (world, stage) loaded
-RESHARD = [((4, 2), (2, 2)), ((2, 2), (1, 0)), ((2, 2), (2, 0)), ((2, 1), (4, 2))]
+RESHARD = [((4, 2), (2, 2)), ((2, 2), (1, 0)), ((2, 2), (2, 0)), ((2, 1), (4, 2)), ((2, 2), (2, 3)), ((4, 3), (1, 0))]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from conftest import run_on_ranks
 from llama_workload import GLOBAL_BATCH, train_reference, train_zerotrain, zero_config
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 ACCUMULATION = (1, 2)
 # DeepSpeed's knobs for where the 1/N of the average is applied: the result must not change.
 SCALING_CASES = (
@@ -30,21 +30,23 @@ def _all_cases(world: int) -> dict:
         for gas in ACCUMULATION:
             run = train_zerotrain(zero_config(stage, world, gas))
             out[(stage, gas)] = {"losses": run["losses"], "weights": run["weights"]}
-    for dtype in ("bf16", "fp16"):
-        run = train_zerotrain(zero_config(2, world, 1, dtype))
-        out[(2, dtype)] = {"losses": run["losses"], "weights": run["weights"]}
+    for stage in (2, 3):
+        for dtype in ("bf16", "fp16"):
+            run = train_zerotrain(zero_config(stage, world, 1, dtype))
+            out[(stage, dtype)] = {"losses": run["losses"], "weights": run["weights"]}
     for name, stage, extra in SCALING_CASES:
         run = train_zerotrain({**zero_config(stage, world, 1), **extra})
         out[name] = {"losses": run["losses"], "weights": run["weights"]}
     run = train_zerotrain({**zero_config(2, world, 1, "bf16"), "communication_data_type": "fp32"})
     out["bf16-fp32-comm"] = {"losses": run["losses"], "weights": run["weights"]}
-    run = train_zerotrain(zero_config(2, world, 2), tied=True, extra_unused=True, freeze_one=True)
-    module = run["engine"].module
-    out["features"] = {
-        "losses": run["losses"],
-        "weights": run["weights"],
-        "tied_shared": module.lm_head.weight.data_ptr() == module.model.embed_tokens.weight.data_ptr(),
-    }
+    for stage, key in ((2, "features"), (3, "features-stage3")):
+        run = train_zerotrain(zero_config(stage, world, 2), tied=True, extra_unused=True, freeze_one=True)
+        module = run["engine"].module
+        out[key] = {
+            "losses": run["losses"],
+            "weights": run["weights"],
+            "tied_shared": module.lm_head.weight is module.model.embed_tokens.weight,
+        }
     dist.barrier()
     return out
 
@@ -90,12 +92,13 @@ def test_fp32_stage_matches_single_process_training(world_runs, reference, stage
         _assert_weights_close(r[(stage, gas)]["weights"], ref_weights, rtol=1e-5)
 
 
+@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"stage{s}")
 @pytest.mark.parametrize("dtype,tol", [("bf16", 3e-2), ("fp16", 1e-2)])
-def test_half_precision_follows_fp32_within_tolerance(world_runs, reference, dtype, tol):
+def test_half_precision_follows_fp32_within_tolerance(world_runs, reference, stage, dtype, tol):
     """bf16 keeps 8 bits of mantissa, fp16 11: the loss curve stays within `tol` (relative) of fp32."""
     _, per_rank = world_runs
     ref_losses, _ = reference
-    losses = _global_losses(per_rank, (2, dtype))
+    losses = _global_losses(per_rank, (stage, dtype))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=0.0)
 
 
@@ -113,15 +116,16 @@ def test_bf16_with_fp32_communication_follows_fp32(world_runs, reference):
     torch.testing.assert_close(torch.tensor(_global_losses(per_rank, "bf16-fp32-comm")), torch.tensor(ref_losses), rtol=3e-2, atol=0.0)
 
 
-def test_tied_frozen_and_unused_parameters_match_reference(world_runs):
+@pytest.mark.parametrize("key", ["features", "features-stage3"])
+def test_tied_frozen_and_unused_parameters_match_reference(world_runs, key):
     _, per_rank = world_runs
     ref_losses, ref_weights = train_reference(tied=True, extra_unused=True, freeze_one=True)
-    torch.testing.assert_close(torch.tensor(_global_losses(per_rank, "features")), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(_global_losses(per_rank, key)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     # torch.optim skips a parameter whose grad is None, while ZeRO (like DeepSpeed) steps it with a
     # zero gradient, so weight decay still shrinks the unused head: compare it separately.
     ref_unused = {n: ref_weights.pop(n) for n in list(ref_weights) if n.startswith("unused_head")}
     for r in per_rank:
-        features = r["features"]
+        features = r[key]
         assert features["tied_shared"], "lm_head and embed_tokens must stay one tensor"
         _assert_weights_close(features["weights"], ref_weights, rtol=1e-5)
         decay = (1 - 1e-2 * 0.1) ** 10

@@ -79,8 +79,7 @@ def _load_weights(engine, reader: CheckpointReader) -> None:
                     fp.master[flat - lo : flat - lo + numel].copy_(values)
             if not fp.master_is_param:
                 fp.shard().copy_(fp.master)
-        if engine.optimizer.sharded:
-            engine.optimizer.all_gather_params()
+        engine.optimizer.all_gather_params()
         for name, t in module_entries(engine).items():
             values = _read_values(reader, name, 0, t.numel())
             if values is not None:

@@ -19,6 +19,9 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, save_filename: str = "
     """
     coord = Coordinator.for_engine(engine)
     coord.meet("save_16bit_model")
+    gatherer = engine.param_gatherer
+    if gatherer is not None:
+        gatherer.gather_all()  # stage 3: every rank takes part in the gathers
     wrote = False
     if engine.rank == 0:
         seen: set[int] = set()
@@ -35,5 +38,7 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, save_filename: str = "
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, path / save_filename)
         wrote = True
+    if gatherer is not None:
+        gatherer.free_all()
     coord.meet("save_16bit_model:done")
     return wrote

@@ -67,13 +67,6 @@ def _non_default(section: str, default: Any) -> Callable[[ZeroTrainConfig], Any]
 
 NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
     NotYetBuilt(
-        "ZeRO stage 3",
-        "zero_optimization.stage",
-        lambda cfg: 3 if cfg.zero_stage == 3 else None,
-        "set zero_optimization.stage to 0, 1 or 2",
-        ZERO3_OFFLOAD,
-    ),
-    NotYetBuilt(
         "optimizer-state offload",
         "zero_optimization.offload_optimizer.device",
         _offload_device("offload_optimizer"),

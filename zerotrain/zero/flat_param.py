@@ -47,6 +47,9 @@ class FlatParam:
             for p, off, n in zip(params, self.offsets, self.numels):
                 self.data[off : off + n].copy_(p.detach().reshape(-1))
         self._point_params_at_data()
+        self.unit: nn.Module | None = None  # stage 3: the module whose forward needs these parameters
+        self.local_shard: torch.Tensor | None = None  # stage 3: the rank's slice while `data` is freed
+        self.gathered = True
         self.master: torch.Tensor | None = None  # fp32 shard the optimizer updates
         self.master_is_param = False  # fp32 training: the master is the parameter slice itself
         self.grad_full: torch.Tensor | None = None  # whole gradient, compute dtype
@@ -58,8 +61,44 @@ class FlatParam:
         return self.padded_numel - self.numel
 
     def shard(self) -> torch.Tensor:
-        """This rank's slice of the parameter buffer (a view)."""
+        """This rank's slice of the parameters: the kept shard (stage 3), else a view of the buffer."""
+        if self.local_shard is not None:
+            return self.local_shard
         return self.data[self.shard_start : self.shard_start + self.shard_size]
+
+    # --- stage 3: parameters exist whole only between gather() and free() ----------------
+
+    def keep_only_shard(self) -> None:
+        """Stage 3: keeps a private copy of this rank's slice and frees the whole buffer."""
+        self.local_shard = self.shard().clone()
+        if self.master_is_param:
+            self.master = self.local_shard
+        for p, shape in zip(self.params, self.shapes):
+            p.ds_shape = shape  # DeepSpeed's name for the full shape of a partitioned parameter
+            p.ds_numel = shape.numel()
+            p._zerotrain_flat_param = self  # lets GatheredParameters find a parameter's bucket
+        self.free()
+
+    def free(self) -> None:
+        """Releases the whole buffer's memory. Parameters become empty tensors (their full shape
+        stays in `param.ds_shape`): never views of freed memory, which would read garbage."""
+        if self.local_shard is not None and self.gathered:
+            empty = torch.empty(0, dtype=self.data.dtype, device=self.data.device)
+            for p in self.params:
+                p.data = empty
+            self.data.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def gather(self) -> None:
+        """Rebuilds the whole buffer from every rank's shard (counted as parameter traffic)."""
+        if self.gathered:
+            return
+        from zerotrain import distributed as zdist
+
+        self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+        zdist.all_gather(self.data, self.local_shard, "param")
+        self._point_params_at_data()
+        self.gathered = True
 
     def make_master(self, compute_dtype: torch.dtype) -> None:
         """Creates the fp32 master shard; in fp32 training it is the parameter slice itself."""
@@ -72,6 +111,8 @@ class FlatParam:
         if self.data.dtype != dtype:
             self.data = self.data.to(dtype)
             self._point_params_at_data()
+        if self.local_shard is not None:
+            self.local_shard = self.local_shard.to(dtype)
 
     def _point_params_at_data(self) -> None:
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):

@@ -119,6 +119,8 @@ class GradReducer:
         else:
             out = torch.empty(fp.shard_size, dtype=send.dtype, device=send.device)
             work = zdist.reduce_scatter(out, send, "grad", async_op=True)
+        if self.stage == 3:
+            fp.free()  # the unit's backward is done: its parameters are not needed until next forward
         self._in_flight.append((fp, work, send, out))
         if len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(*self._in_flight.popleft())
@@ -135,4 +137,4 @@ class GradReducer:
         if self.stage == 1:
             fp.grad_full.zero_()  # kept allocated: stage 1 holds whole gradients between steps
         else:
-            fp.grad_full = None  # stage 2 keeps only the shard
+            fp.grad_full = None  # stages 2 and 3 keep only the shard

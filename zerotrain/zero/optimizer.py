@@ -104,8 +104,7 @@ class ZeroOptimizer:
                 if not fp.master_is_param:
                     fp.shard().copy_(fp.master)
         self.zero_grad()
-        if self.sharded:
-            self.all_gather_params()
+        self.all_gather_params()
         return True
 
     def _master_grad(self, fp: FlatParam) -> torch.Tensor:
@@ -127,7 +126,12 @@ class ZeroOptimizer:
         return float(sq.sqrt())
 
     def all_gather_params(self) -> None:
-        """Rebuilds whole parameters from every rank's updated shard, bucket by bucket."""
+        """Rebuilds whole parameters from every rank's updated shard, bucket by bucket (stages 1-2).
+
+        Stage 3 gathers each unit when it is next used instead.
+        """
+        if not self.sharded or self.stage == 3:
+            return
         bucket: list[FlatParam] = []
         size = 0
         for fp in self.flat_params:
@@ -164,7 +168,9 @@ class ZeroOptimizer:
         """
         out = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0, "optimizer_scalars": 0}
         for fp in self.flat_params:
-            out["params"] += fp.data.numel() * fp.data.element_size()
+            out["params"] += fp.data.untyped_storage().nbytes()  # 0 while a stage-3 unit is freed
+            if fp.local_shard is not None:
+                out["params"] += fp.local_shard.numel() * fp.local_shard.element_size()
             for g in (fp.grad_full, fp.grad_shard if fp.sharded else None):
                 if g is not None:
                     out["grads"] += g.numel() * g.element_size()

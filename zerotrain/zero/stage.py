@@ -5,6 +5,7 @@
 | 0     | whole                | whole, all-reduced during backward    | whole                         |
 | 1     | whole                | whole, reduce-scattered at the step   | shard                         |
 | 2     | whole                | shard, reduce-scattered in backward   | shard                         |
+| 3     | shard, gathered per unit for use | shard, reduce-scattered in backward | shard                 |
 
 `build_flat_params` applies it to a model: buckets its trainable parameters,
 makes every rank start from rank 0's weights, creates the master shards and
@@ -21,6 +22,7 @@ from torch import nn
 
 from zerotrain import distributed as zdist
 from zerotrain.zero.flat_param import FlatParam, split_into_buckets
+from zerotrain.zero.units import assign_params_to_units, find_layer_units
 
 
 @dataclass(frozen=True)
@@ -35,13 +37,18 @@ class StagePlan:
         return self.stage >= 1
 
     @property
+    def shards_params(self) -> bool:
+        """Parameters are whole only while their unit computes (stage 3)."""
+        return self.stage == 3
+
+    @property
     def keeps_whole_grads(self) -> bool:
         """Whole gradients stay allocated between micro-steps (stages 0 and 1)."""
         return self.stage <= 1
 
     def reduces_in_backward(self, boundary: bool) -> bool:
         """Stage 0 all-reduces during the boundary backward; stage 2 reduce-scatters every backward."""
-        return self.stage == 2 or (self.stage == 0 and boundary)
+        return self.stage >= 2 or (self.stage == 0 and boundary)
 
 
 def build_flat_params(
@@ -62,11 +69,10 @@ def build_flat_params(
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, n)  # tied weights keep their first name, as named_parameters() reports
     flat_params: list[FlatParam] = []
-    for g, params in enumerate(param_groups):
-        for bucket in split_into_buckets(list(reversed(params)), bucket_numel):
-            flat_params.append(
-                FlatParam(bucket, [names.get(p, "?") for p in bucket], g, world, rank, plan.shards_optimizer)
-            )
+    for g, bucket, unit in _buckets(model, param_groups, plan, bucket_numel):
+        fp = FlatParam(bucket, [names.get(p, "?") for p in bucket], g, world, rank, plan.shards_optimizer)
+        fp.unit = unit
+        flat_params.append(fp)
     if world > 1:
         # DeepSpeed starts every rank from rank 0's weights; so do we.
         for fp in flat_params:
@@ -80,9 +86,34 @@ def build_flat_params(
         model.to(compute_dtype)  # frozen parameters and floating buffers
         for fp in flat_params:
             fp.cast_to(compute_dtype)
+    if plan.shards_params:
+        for fp in flat_params:
+            fp.keep_only_shard()
     for fp in flat_params:
         if plan.keeps_whole_grads:
             fp.ensure_grad_full()
         else:
             fp.grad_of_shard()
     return flat_params
+
+
+def _buckets(model, param_groups, plan: StagePlan, bucket_numel: int):
+    """(group index, parameters, unit module) per FlatParam, in the order backward completes them.
+
+    Stages 0-2: reverse registration order cut into `bucket_numel` buckets. Stage 3: one
+    bucket per (unit, group), the layer units last to first, then the root unit, whose
+    embedding gradient is the last one backward produces.
+    """
+    group_of = {p: g for g, params in enumerate(param_groups) for p in params}
+    if not plan.shards_params:
+        for g, params in enumerate(param_groups):
+            for bucket in split_into_buckets(list(reversed(params)), bucket_numel):
+                yield g, bucket, None
+        return
+    units = find_layer_units(model)
+    per_unit, root = assign_params_to_units(model, units)
+    for unit, params in [*reversed(list(zip(units, per_unit))), (model, root)]:
+        for g in range(len(param_groups)):
+            bucket = [p for p in params if group_of.get(p) == g]
+            if bucket:
+                yield g, bucket, unit
