@@ -67,7 +67,13 @@ def zero_config(stage: int, world: int, gas: int, dtype: str = "fp32", **zero_ex
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
         # Small buckets so every stage exercises several buckets and their overlap.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000, **zero_extra},
+        "zero_optimization": {
+            "stage": stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
+            # stage 3: shard every parameter (the tiny model is all below the default threshold)
+            # and prefetch the next unit
+            "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 20000,
+            **zero_extra,
+        },
         "steps_per_print": 1000,
     }
     if dtype == "bf16":

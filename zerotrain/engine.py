@@ -65,11 +65,14 @@ class Engine(nn.Module):
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+        zero = config.zero_optimization
         self.flat_params = build_flat_params(
-            model, trainable, self.plan, config.zero_optimization.reduce_bucket_size, self.compute_dtype
+            model, trainable, self.plan, zero.reduce_bucket_size, self.compute_dtype, zero.param_persistence_threshold
         )
         # Stage 3: parameters are gathered per unit around its forward and backward.
-        self.param_gatherer = ParamGatherer(self.flat_params, model) if self.plan.shards_params else None
+        self.param_gatherer = (
+            ParamGatherer(self.flat_params, model, zero.prefetch_bucket_size) if self.plan.shards_params else None
+        )
         comm = config.communication_data_type
         self.reducer = GradReducer(
             self.flat_params,

@@ -48,8 +48,10 @@ class FlatParam:
                 self.data[off : off + n].copy_(p.detach().reshape(-1))
         self._point_params_at_data()
         self.unit: nn.Module | None = None  # stage 3: the module whose forward needs these parameters
+        self.persistent = False  # stage 3: small parameters kept whole, like stage 2's
         self.local_shard: torch.Tensor | None = None  # stage 3: the rank's slice while `data` is freed
         self.gathered = True
+        self._pending_gather = None  # work handle of a prefetch in flight
         self.master: torch.Tensor | None = None  # fp32 shard the optimizer updates
         self.master_is_param = False  # fp32 training: the master is the parameter slice itself
         self.grad_full: torch.Tensor | None = None  # whole gradient, compute dtype
@@ -82,6 +84,8 @@ class FlatParam:
     def free(self) -> None:
         """Releases the whole buffer's memory. Parameters become empty tensors (their full shape
         stays in `param.ds_shape`): never views of freed memory, which would read garbage."""
+        if self._pending_gather is not None:
+            self.gather()  # a prefetch nobody used: let it land before releasing its memory
         if self.local_shard is not None and self.gathered:
             empty = torch.empty(0, dtype=self.data.dtype, device=self.data.device)
             for p in self.params:
@@ -89,14 +93,23 @@ class FlatParam:
             self.data.untyped_storage().resize_(0)
             self.gathered = False
 
-    def gather(self) -> None:
-        """Rebuilds the whole buffer from every rank's shard (counted as parameter traffic)."""
+    def gather(self, async_op: bool = False) -> None:
+        """Rebuilds the whole buffer from every rank's shard (counted as parameter traffic).
+
+        With `async_op` the all-gather is only launched (a prefetch); the next plain
+        `gather()` waits for it.
+        """
         if self.gathered:
             return
-        from zerotrain import distributed as zdist
+        if self._pending_gather is None:
+            from zerotrain import distributed as zdist
 
-        self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
-        zdist.all_gather(self.data, self.local_shard, "param")
+            self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+            self._pending_gather = zdist.all_gather(self.data, self.local_shard, "param", async_op=True)
+        if async_op:
+            return
+        self._pending_gather.wait()
+        self._pending_gather = None
         self._point_params_at_data()
         self.gathered = True
 

@@ -128,13 +128,15 @@ class ZeroOptimizer:
     def all_gather_params(self) -> None:
         """Rebuilds whole parameters from every rank's updated shard, bucket by bucket (stages 1-2).
 
-        Stage 3 gathers each unit when it is next used instead.
+        Stage 3 gathers each unit when it is next used instead, except persistent buckets.
         """
-        if not self.sharded or self.stage == 3:
+        if not self.sharded:
             return
         bucket: list[FlatParam] = []
         size = 0
         for fp in self.flat_params:
+            if fp.local_shard is not None:
+                continue  # a stage-3 bucket: gathered on its next use
             if bucket and size + fp.padded_numel > self.allgather_bucket_size:
                 self._gather_bucket(bucket)
                 bucket, size = [], 0

@@ -57,6 +57,7 @@ def build_flat_params(
     plan: StagePlan,
     bucket_numel: int,
     compute_dtype: torch.dtype,
+    persistence_threshold: int = 0,
 ) -> list[FlatParam]:
     """Flattens each param group's trainable parameters into FlatParam buckets.
 
@@ -69,9 +70,10 @@ def build_flat_params(
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, n)  # tied weights keep their first name, as named_parameters() reports
     flat_params: list[FlatParam] = []
-    for g, bucket, unit in _buckets(model, param_groups, plan, bucket_numel):
+    for g, bucket, unit, persistent in _buckets(model, param_groups, plan, bucket_numel, persistence_threshold):
         fp = FlatParam(bucket, [names.get(p, "?") for p in bucket], g, world, rank, plan.shards_optimizer)
         fp.unit = unit
+        fp.persistent = persistent
         flat_params.append(fp)
     if world > 1:
         # DeepSpeed starts every rank from rank 0's weights; so do we.
@@ -88,7 +90,8 @@ def build_flat_params(
             fp.cast_to(compute_dtype)
     if plan.shards_params:
         for fp in flat_params:
-            fp.keep_only_shard()
+            if not fp.persistent:
+                fp.keep_only_shard()
     for fp in flat_params:
         if plan.keeps_whole_grads:
             fp.ensure_grad_full()
@@ -97,23 +100,27 @@ def build_flat_params(
     return flat_params
 
 
-def _buckets(model, param_groups, plan: StagePlan, bucket_numel: int):
-    """(group index, parameters, unit module) per FlatParam, in the order backward completes them.
+def _buckets(model, param_groups, plan: StagePlan, bucket_numel: int, persistence_threshold: int):
+    """(group, parameters, unit, persistent) per FlatParam, in the order backward completes them.
 
     Stages 0-2: reverse registration order cut into `bucket_numel` buckets. Stage 3: one
     bucket per (unit, group), the layer units last to first, then the root unit, whose
-    embedding gradient is the last one backward produces.
+    embedding gradient is the last one backward produces. Parameters smaller than
+    `persistence_threshold` (norms, biases) go to a per-unit bucket that stays whole, as
+    stage 2 keeps them: gathering many tiny tensors costs more latency than it saves memory.
     """
     group_of = {p: g for g, params in enumerate(param_groups) for p in params}
     if not plan.shards_params:
         for g, params in enumerate(param_groups):
             for bucket in split_into_buckets(list(reversed(params)), bucket_numel):
-                yield g, bucket, None
+                yield g, bucket, None, False
         return
     units = find_layer_units(model)
     per_unit, root = assign_params_to_units(model, units)
     for unit, params in [*reversed(list(zip(units, per_unit))), (model, root)]:
         for g in range(len(param_groups)):
-            bucket = [p for p in params if group_of.get(p) == g]
-            if bucket:
-                yield g, bucket, unit
+            in_group = [p for p in params if group_of.get(p) == g]
+            for persistent in (False, True):
+                bucket = [p for p in in_group if (p.numel() < persistence_threshold) == persistent]
+                if bucket:
+                    yield g, bucket, unit, persistent
