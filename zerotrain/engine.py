@@ -73,6 +73,8 @@ class Engine(nn.Module):
         self.param_gatherer = (
             ParamGatherer(self.flat_params, model, zero.prefetch_bucket_size) if self.plan.shards_params else None
         )
+        if self.plan.shards_params and self.rank == 0:
+            _warn_unhonoured_stage3_knobs(zero)
         comm = config.communication_data_type
         self.reducer = GradReducer(
             self.flat_params,
@@ -268,6 +270,13 @@ class Engine(nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, master weights and optimizer state."""
         return self.optimizer.resident_bytes()
+
+
+def _warn_unhonoured_stage3_knobs(zero) -> None:
+    defaults = type(zero).model_fields
+    for key in ("max_live_parameters", "max_reuse_distance"):
+        if getattr(zero, key) != defaults[key].default:
+            log.warning("zero_optimization.stage3_%s is not honoured yet by zerotrain; it has no effect", key)
 
 
 def _constructor_kwargs(cls: type, defaults: dict) -> dict:
