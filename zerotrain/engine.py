@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from zerotrain.config.errors import ConfigError
 from zerotrain.distributed import read_launch_env
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import build_loss_scaler
@@ -29,7 +30,7 @@ from zerotrain.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
 from zerotrain.zero.param_gatherer import ParamGatherer
-from zerotrain.zero.stage import StagePlan, build_flat_params
+from zerotrain.zero.stage import OffloadPlan, StagePlan, build_flat_params
 
 if TYPE_CHECKING:
     from zerotrain.config import ZeroTrainConfig
@@ -67,7 +68,13 @@ class Engine(nn.Module):
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         zero = config.zero_optimization
         self.flat_params = build_flat_params(
-            model, trainable, self.plan, zero.reduce_bucket_size, self.compute_dtype, zero.param_persistence_threshold
+            model,
+            trainable,
+            self.plan,
+            zero.reduce_bucket_size,
+            self.compute_dtype,
+            zero.param_persistence_threshold,
+            _offload_plan(zero),
         )
         # Stage 3: parameters are gathered per unit around its forward and backward.
         self.param_gatherer = (
@@ -270,6 +277,28 @@ class Engine(nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, master weights and optimizer state."""
         return self.optimizer.resident_bytes()
+
+
+def _offload_plan(zero) -> OffloadPlan:
+    """Where offloaded shards live, from `offload_optimizer` / `offload_param` (cpu only so far)."""
+    opt = zero.offload_optimizer if zero.offload_optimizer and zero.offload_optimizer.device == "cpu" else None
+    par = zero.offload_param if zero.offload_param and zero.offload_param.device == "cpu" else None
+    if opt and zero.stage == 0:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (it offloads the optimizer's shard); "
+            "set zero_optimization.stage"
+        )
+    if par and zero.stage != 3:
+        raise ConfigError(
+            f"zero_optimization.offload_param needs ZeRO stage 3 (stage {zero.stage} keeps parameters whole on "
+            "the device); set zero_optimization.stage to 3 or remove offload_param"
+        )
+    cpu = torch.device("cpu")
+    return OffloadPlan(
+        optimizer_device=cpu if opt else None,
+        param_device=cpu if par else None,
+        pin_memory=bool((opt and opt.pin_memory) or (par and par.pin_memory)),
+    )
 
 
 def _warn_unhonoured_stage3_knobs(zero) -> None:

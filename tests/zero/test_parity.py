@@ -37,6 +37,9 @@ def _all_cases(world: int) -> dict:
     for name, stage, extra in SCALING_CASES:
         run = train_zerotrain({**zero_config(stage, world, 1), **extra})
         out[name] = {"losses": run["losses"], "weights": run["weights"]}
+    for name, stage, dtype, offload in OFFLOAD_CASES:
+        run = train_zerotrain(zero_config(stage, world, 2, dtype, **offload))
+        out[name] = {"losses": run["losses"], "weights": run["weights"]}
     run = train_zerotrain({**zero_config(2, world, 1, "bf16"), "communication_data_type": "fp32"})
     out["bf16-fp32-comm"] = {"losses": run["losses"], "weights": run["weights"]}
     for stage, key in ((2, "features"), (3, "features-stage3")):
@@ -49,6 +52,15 @@ def _all_cases(world: int) -> dict:
         }
     dist.barrier()
     return out
+
+
+CPU = {"device": "cpu", "pin_memory": True}
+OFFLOAD_CASES = (
+    ("offload-opt-stage2", 2, "fp32", {"offload_optimizer": CPU}),
+    ("offload-opt-stage3", 3, "fp32", {"offload_optimizer": CPU}),
+    ("offload-both-stage3", 3, "fp32", {"offload_optimizer": CPU, "offload_param": CPU}),
+    ("offload-both-stage3-bf16", 3, "bf16", {"offload_optimizer": CPU, "offload_param": CPU}),
+)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -108,6 +120,17 @@ def test_gradient_prescaling_and_predivision_do_not_change_training(world_runs, 
     ref_losses, ref_weights = reference
     torch.testing.assert_close(torch.tensor(_global_losses(per_rank, case)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     _assert_weights_close(per_rank[0][case]["weights"], ref_weights, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", [c for c in OFFLOAD_CASES], ids=[c[0] for c in OFFLOAD_CASES])
+def test_cpu_offload_matches_single_process_training(world_runs, reference, case):
+    name, _, dtype, _ = case
+    _, per_rank = world_runs
+    ref_losses, ref_weights = reference
+    rtol = 1e-5 if dtype == "fp32" else 3e-2
+    torch.testing.assert_close(torch.tensor(_global_losses(per_rank, name)), torch.tensor(ref_losses), rtol=rtol, atol=1e-6)
+    if dtype == "fp32":
+        _assert_weights_close(per_rank[0][name]["weights"], ref_weights, rtol=1e-5)
 
 
 def test_bf16_with_fp32_communication_follows_fp32(world_runs, reference):

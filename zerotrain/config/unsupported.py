@@ -15,7 +15,7 @@ from zerotrain.config.errors import ConfigError, format_problems, render_value
 from zerotrain.config.feature_schema import ActivationCheckpointingConfig, CheckpointConfig
 from zerotrain.config.schema import ZeroTrainConfig
 
-ZERO3_OFFLOAD = "ZeRO-3/offload support"
+NVME_OFFLOAD = "NVMe offload (ZeRO-Infinity) support"
 LATER = "a later version"
 
 
@@ -35,10 +35,10 @@ class NotYetBuilt:
     """Which work brings the feature."""
 
 
-def _offload_device(section: str) -> Callable[[ZeroTrainConfig], Any]:
+def _nvme_offload(section: str) -> Callable[[ZeroTrainConfig], Any]:
     def requested(cfg: ZeroTrainConfig) -> Any:
         offload = getattr(cfg.zero_optimization, section)
-        return offload.device if offload is not None and offload.device != "none" else None
+        return offload.device if offload is not None and offload.device == "nvme" else None
 
     return requested
 
@@ -67,20 +67,18 @@ def _non_default(section: str, default: Any) -> Callable[[ZeroTrainConfig], Any]
 
 NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
     NotYetBuilt(
-        "optimizer-state offload",
+        "NVMe optimizer-state offload",
         "zero_optimization.offload_optimizer.device",
-        _offload_device("offload_optimizer"),
-        'set zero_optimization.offload_optimizer.device to "none" or remove the section '
-        '(and any deprecated "cpu_offload": true)',
-        ZERO3_OFFLOAD,
+        _nvme_offload("offload_optimizer"),
+        'set zero_optimization.offload_optimizer.device to "cpu" (built) or "none"',
+        NVME_OFFLOAD,
     ),
     NotYetBuilt(
-        "parameter offload",
+        "NVMe parameter offload",
         "zero_optimization.offload_param.device",
-        _offload_device("offload_param"),
-        'set zero_optimization.offload_param.device to "none" or remove the section '
-        '(and any deprecated "cpu_offload_param": true)',
-        ZERO3_OFFLOAD,
+        _nvme_offload("offload_param"),
+        'set zero_optimization.offload_param.device to "cpu" (built) or "none"',
+        NVME_OFFLOAD,
     ),
     NotYetBuilt(
         "elastic checkpoints",

@@ -70,9 +70,10 @@ class FlatParam:
 
     # --- stage 3: parameters exist whole only between gather() and free() ----------------
 
-    def keep_only_shard(self) -> None:
-        """Stage 3: keeps a private copy of this rank's slice and frees the whole buffer."""
-        self.local_shard = self.shard().clone()
+    def keep_only_shard(self, device: torch.device | None = None, pin: bool = False) -> None:
+        """Stage 3: keeps a private copy of this rank's slice (on `device` when parameters are
+        offloaded) and frees the whole buffer."""
+        self.local_shard = _on(self.shard().to(device or self.data.device, copy=True), pin)
         if self.master_is_param:
             self.master = self.local_shard
         for p, shape in zip(self.params, self.shapes):
@@ -105,7 +106,8 @@ class FlatParam:
             from zerotrain import distributed as zdist
 
             self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
-            self._pending_gather = zdist.all_gather(self.data, self.local_shard, "param", async_op=True)
+            shard = self.local_shard.to(self.data.device, non_blocking=True)  # offloaded shards come in first
+            self._pending_gather = zdist.all_gather(self.data, shard, "param", async_op=True)
         if async_op:
             return
         self._pending_gather.wait()
@@ -113,11 +115,18 @@ class FlatParam:
         self._point_params_at_data()
         self.gathered = True
 
-    def make_master(self, compute_dtype: torch.dtype) -> None:
-        """Creates the fp32 master shard; in fp32 training it is the parameter slice itself."""
+    def make_master(self, compute_dtype: torch.dtype, device: torch.device | None = None, pin: bool = False) -> None:
+        """Creates the fp32 master shard, on `device` when the optimizer is offloaded.
+
+        In fp32 training on the compute device it is the parameter slice itself (no copy).
+        """
         shard = self.shard()
-        self.master_is_param = compute_dtype == torch.float32
-        self.master = shard if self.master_is_param else shard.detach().clone()
+        device = device or shard.device
+        self.master_is_param = compute_dtype == torch.float32 and device == shard.device
+        if self.master_is_param:
+            self.master = shard
+        else:
+            self.master = _on(shard.detach().to(device=device, dtype=torch.float32, copy=True), pin)
 
     def cast_to(self, dtype: torch.dtype) -> None:
         """Moves the parameter buffer to `dtype` and re-points every parameter at it."""
@@ -151,6 +160,11 @@ class FlatParam:
                 self.grad_shard = torch.zeros(self.shard_size, dtype=self.data.dtype, device=self.data.device)
             return self.grad_shard
         return self.ensure_grad_full()
+
+
+def _on(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """Page-locked when asked and possible: host<->GPU copies of pinned memory run asynchronously."""
+    return t.pin_memory() if pin and t.device.type == "cpu" and torch.cuda.is_available() else t
 
 
 def split_into_buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:

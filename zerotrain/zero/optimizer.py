@@ -37,6 +37,7 @@ class ZeroOptimizer:
         allgather_bucket_size: int = 500_000_000,
     ) -> None:
         self.flat_params = flat_params
+        self.comm_device = flat_params[0].data.device if flat_params else torch.device("cpu")
         self.stage = stage
         # Ranks hold different shards only at stages >= 1 with more than one rank.
         self.sharded = stage >= 1 and dist.is_initialized() and dist.get_world_size() > 1
@@ -108,12 +109,13 @@ class ZeroOptimizer:
         return True
 
     def _master_grad(self, fp: FlatParam) -> torch.Tensor:
+        """The shard's gradient where the master lives, in fp32 (a copy only when needed)."""
         grad = fp.grad_of_shard()
-        fp.master.grad = grad if grad.dtype == torch.float32 else grad.float()
+        fp.master.grad = grad.to(device=fp.master.device, dtype=torch.float32)
         return fp.master.grad
 
     def _overflowed(self, grads: list[torch.Tensor]) -> bool:
-        local = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
+        local = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float().to(self.comm_device)
         if self.sharded:
             zdist.all_reduce(local, "scalar", op=dist.ReduceOp.MAX)
         return bool(local.item())
@@ -121,6 +123,7 @@ class ZeroOptimizer:
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm of the whole gradient: each rank sums squares over its shard only."""
         sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        sq = sq.to(self.comm_device)  # offloaded grads are on the CPU; NCCL reduces device tensors
         if self.sharded:
             zdist.all_reduce(sq, "scalar")
         return float(sq.sqrt())

@@ -51,6 +51,15 @@ class StagePlan:
         return self.stage >= 2 or (self.stage == 0 and boundary)
 
 
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Where the shards live when offloaded (None: on the compute device)."""
+
+    optimizer_device: torch.device | None = None  # fp32 master + optimizer state; the step runs there
+    param_device: torch.device | None = None  # stage 3 parameter shards between uses
+    pin_memory: bool = False
+
+
 def build_flat_params(
     model: nn.Module,
     param_groups: list[list[nn.Parameter]],
@@ -58,6 +67,7 @@ def build_flat_params(
     bucket_numel: int,
     compute_dtype: torch.dtype,
     persistence_threshold: int = 0,
+    offload: "OffloadPlan | None" = None,
 ) -> list[FlatParam]:
     """Flattens each param group's trainable parameters into FlatParam buckets.
 
@@ -82,8 +92,9 @@ def build_flat_params(
         flat = {p for fp in flat_params for p in fp.params}
         for t in [p for p in model.parameters() if p not in flat] + list(model.buffers()):
             zdist.broadcast(t.data, 0, "init")
+    offload = offload or OffloadPlan()
     for fp in flat_params:
-        fp.make_master(compute_dtype)
+        fp.make_master(compute_dtype, offload.optimizer_device, offload.pin_memory)
     if compute_dtype != torch.float32:
         model.to(compute_dtype)  # frozen parameters and floating buffers
         for fp in flat_params:
@@ -91,7 +102,7 @@ def build_flat_params(
     if plan.shards_params:
         for fp in flat_params:
             if not fp.persistent:
-                fp.keep_only_shard()
+                fp.keep_only_shard(offload.param_device, offload.pin_memory)
     for fp in flat_params:
         if plan.keeps_whole_grads:
             fp.ensure_grad_full()
