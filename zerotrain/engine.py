@@ -99,7 +99,8 @@ class Engine(nn.Module):
             stage=self.plan.stage,
             clip=config.gradient_clipping,
             loss_scaler=self.loss_scaler,
-            allgather_bucket_size=config.zero_optimization.allgather_bucket_size,
+            allgather_bucket_size=zero.allgather_bucket_size,
+            sub_group_size=zero.sub_group_size,
         )
         self.lr_scheduler = self._make_scheduler(client_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)

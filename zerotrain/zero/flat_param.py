@@ -157,7 +157,10 @@ class FlatParam:
         """The gradient of this rank's slice: the reduced shard, or a view of the whole gradient."""
         if self.sharded:
             if self.grad_shard is None:
-                self.grad_shard = torch.zeros(self.shard_size, dtype=self.data.dtype, device=self.data.device)
+                # Offloaded: the shard's gradient lives with the master, on the CPU, so each bucket's
+                # reduced gradient leaves the device as soon as its reduce-scatter completes.
+                device = self.master.device if self.master is not None else self.data.device
+                self.grad_shard = _on(torch.zeros(self.shard_size, dtype=self.data.dtype, device=device), pin=True)
             return self.grad_shard
         return self.ensure_grad_full()
 

@@ -133,7 +133,8 @@ class GradReducer:
             if send is not fp.grad_full:
                 fp.grad_full.copy_(send)
             return
-        fp.grad_of_shard().add_(out)
+        shard = fp.grad_of_shard()
+        shard.add_(out.to(shard.device))  # a blocking copy: the add must see the data
         if self.stage == 1:
             fp.grad_full.zero_()  # kept allocated: stage 1 holds whole gradients between steps
         else:

@@ -35,6 +35,7 @@ class ZeroOptimizer:
         clip: float,
         loss_scaler=None,
         allgather_bucket_size: int = 500_000_000,
+        sub_group_size: int = 1_000_000_000,
     ) -> None:
         self.flat_params = flat_params
         self.comm_device = flat_params[0].data.device if flat_params else torch.device("cpu")
@@ -44,6 +45,8 @@ class ZeroOptimizer:
         self.clip = clip
         self.loss_scaler = loss_scaler
         self.allgather_bucket_size = allgather_bucket_size
+        self.sub_group_size = sub_group_size
+        self._index = {id(fp): i for i, fp in enumerate(flat_params)}
         groups = []
         for g, options in enumerate(group_options):
             masters = [fp.master for fp in flat_params if fp.group_index == g]
@@ -97,16 +100,36 @@ class ZeroOptimizer:
             factor *= min(self.clip / (norm + 1e-6), 1.0)
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
-        self.optimizer.step()
+        for fp in self.flat_params:
+            fp.master.grad = None
+        for sub_group in self._sub_groups():
+            # Step a sub-group at a time: torch optimizers skip parameters without a gradient,
+            # so the temporaries of a (CPU) step stay within sub_group_size elements.
+            for fp in sub_group:
+                fp.master.grad = grads[self._index[id(fp)]]
+            self.optimizer.step()
+            with torch.no_grad():
+                for fp in sub_group:
+                    fp.master.grad = None
+                    if not fp.master_is_param:
+                        fp.shard().copy_(fp.master)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
-        with torch.no_grad():
-            for fp in self.flat_params:
-                if not fp.master_is_param:
-                    fp.shard().copy_(fp.master)
         self.zero_grad()
         self.all_gather_params()
         return True
+
+    def _sub_groups(self) -> list[list[FlatParam]]:
+        """Consecutive buckets of at most `sub_group_size` elements of master shard (one at least)."""
+        groups: list[list[FlatParam]] = [[]]
+        size = 0
+        for fp in self.flat_params:
+            if groups[-1] and size + fp.master.numel() > self.sub_group_size:
+                groups.append([])
+                size = 0
+            groups[-1].append(fp)
+            size += fp.master.numel()
+        return groups
 
     def _master_grad(self, fp: FlatParam) -> torch.Tensor:
         """The shard's gradient where the master lives, in fp32 (a copy only when needed)."""
