@@ -438,8 +438,6 @@ def test_resolve_with_a_real_llama_model():
 @pytest.mark.parametrize(
     "data, setting",
     [
-        ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
-         "zero_optimization.offload_optimizer.device"),
         ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
          "zero_optimization.offload_param.device"),
         ({"zero_optimization": {"elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
@@ -460,10 +458,10 @@ def test_unbuilt_feature_is_refused_with_a_fix(data, setting):
 
 
 def test_offload_message_says_what_to_change():
-    data = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}
+    data = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}
     message = error_of(check_supported, load_config(data))
     assert "arrives with NVMe offload (ZeRO-Infinity) support" in message
-    assert 'set zero_optimization.offload_optimizer.device to "cpu" (built) or "none"' in message
+    assert 'set zero_optimization.offload_param.device to "cpu" (built) or "none"' in message
 
 
 def test_cpu_offload_is_built():
@@ -487,10 +485,10 @@ def test_every_unbuilt_feature_row_is_off_by_default():
 
 def test_resolve_refuses_unbuilt_features_first():
     data = {
-        "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
+        "zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
     }
-    assert "NVMe optimizer-state offload is not built yet" in error_of(resolve, data)
+    assert "NVMe parameter offload is not built yet" in error_of(resolve, data)
 
 
 # --------------------------------------------------------------------------- #
@@ -504,7 +502,6 @@ FULL_AUTO_VALUES = {
     "scheduler.params.total_num_steps": 1000,
 }
 NVME_REFUSAL = [
-    'zero_optimization.offload_optimizer.device = "nvme"',
     'zero_optimization.offload_param.device = "nvme"',
     "arrives with NVMe offload (ZeRO-Infinity) support",
 ]
@@ -553,7 +550,7 @@ def test_reference_zero3_cpu_offload_resolves():
     assert cfg.zero_stage == 3 and zero.offload_param.device == "cpu" and zero.offload_optimizer.device == "cpu"
 
 
-def test_reference_zero3_nvme_is_refused_until_nvme_offload():
+def test_reference_zero3_nvme_is_refused_until_nvme_parameter_offload():
     cfg = load_config(CONFIGS / "guide-zero3-nvme.jsonc")
     message = error_of(resolve_config, cfg, world_size=2, model=StubModel(), auto_values=FULL_AUTO_VALUES)
     for part in NVME_REFUSAL:

@@ -92,6 +92,7 @@ class Engine(nn.Module):
             config.gradient_predivide_factor,
         )
         self.loss_scaler = build_loss_scaler(config.fp16)
+        nvme = _nvme_optimizer_offload(zero, self.flat_params, self.rank)
         self.optimizer = ZeroOptimizer(
             self.flat_params,
             options,
@@ -101,6 +102,7 @@ class Engine(nn.Module):
             loss_scaler=self.loss_scaler,
             allgather_bucket_size=zero.allgather_bucket_size,
             sub_group_size=zero.sub_group_size,
+            nvme=nvme,
         )
         self.lr_scheduler = self._make_scheduler(client_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
@@ -282,7 +284,8 @@ class Engine(nn.Module):
 
 def _offload_plan(zero) -> OffloadPlan:
     """Where offloaded shards live, from `offload_optimizer` / `offload_param` (cpu only so far)."""
-    opt = zero.offload_optimizer if zero.offload_optimizer and zero.offload_optimizer.device == "cpu" else None
+    # NVMe offload keeps the state in host memory while it is in use, so it lives on the CPU too.
+    opt = zero.offload_optimizer if zero.offload_optimizer and zero.offload_optimizer.device != "none" else None
     par = zero.offload_param if zero.offload_param and zero.offload_param.device == "cpu" else None
     if opt and zero.stage == 0:
         raise ConfigError(
@@ -300,6 +303,21 @@ def _offload_plan(zero) -> OffloadPlan:
         param_device=cpu if par else None,
         pin_memory=bool((opt and opt.pin_memory) or (par and par.pin_memory)),
     )
+
+
+def _nvme_optimizer_offload(zero, flat_params, rank: int):
+    """The NVMe swapper of optimizer state when `offload_optimizer.device` is "nvme"."""
+    opt = zero.offload_optimizer
+    if opt is None or opt.device != "nvme":
+        return None
+    from zerotrain.zero.nvme_offload import NvmeOptimizerOffload
+    from zerotrain.zero.nvme_store import NvmeStore
+
+    if opt.nvme_path is None:
+        raise ConfigError('zero_optimization.offload_optimizer.device is "nvme" but nvme_path is not set')
+    needed = NvmeOptimizerOffload.bytes_needed(flat_params)
+    store = NvmeStore(opt.nvme_path, rank, needed_bytes=needed, max_in_flight=max(2, opt.buffer_count))
+    return NvmeOptimizerOffload(store, flat_params)
 
 
 def _warn_unhonoured_stage3_knobs(zero) -> None:

@@ -6,6 +6,8 @@ check each case against the plain-torch reference.
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -55,12 +57,15 @@ def _all_cases(world: int) -> dict:
 
 
 CPU = {"device": "cpu", "pin_memory": True}
+NVME = {"device": "nvme", "nvme_path": tempfile.gettempdir()}  # each store makes its own private folder
 OFFLOAD_CASES = (
     # small sub-groups: the optimizer steps the shards a few buckets at a time
     ("offload-opt-stage2", 2, "fp32", {"offload_optimizer": CPU, "sub_group_size": 2000}),
     ("offload-opt-stage3", 3, "fp32", {"offload_optimizer": CPU}),
     ("offload-both-stage3", 3, "fp32", {"offload_optimizer": CPU, "offload_param": CPU}),
     ("offload-both-stage3-bf16", 3, "bf16", {"offload_optimizer": CPU, "offload_param": CPU}),
+    ("nvme-opt-stage2", 2, "fp32", {"offload_optimizer": NVME, "sub_group_size": 2000}),
+    ("nvme-opt-stage3-bf16", 3, "bf16", {"offload_optimizer": NVME, "sub_group_size": 2000}),
 )
 
 

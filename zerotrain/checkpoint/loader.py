@@ -40,7 +40,7 @@ def load_checkpoint(
         if engine.rank == 0:
             log.warning("no checkpoint to load: %s does not exist", Path(load_dir) / LATEST)
         return None, None
-    with CheckpointReader(load_dir, tag) as reader:
+    with CheckpointReader(load_dir, tag) as reader, engine.optimizer.states_resident():
         _check_names(engine, reader, load_module_strict)
         _load_weights(engine, reader)
         client_state: dict = {}

@@ -45,12 +45,14 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None, client
         tmp.mkdir(parents=True, exist_ok=False)
     coord.meet("save_checkpoint:mkdir")
 
-    index = _write_rank_files(engine, tmp)
+    with engine.optimizer.states_resident():  # NVMe offload: bring the state in to write it
+        index = _write_rank_files(engine, tmp)
     if engine.rank == 0:
         coord.pause_point("after_shards")
     indexes = coord.gather_to_rank0(index)
     if engine.rank == 0:
-        _write_common_files(engine, tmp, tag, indexes, client_state)
+        with engine.optimizer.states_resident():
+            _write_common_files(engine, tmp, tag, indexes, client_state)
         coord.pause_point("before_rename")
         _move_into_place(tmp, root / tag)
         if save_latest:

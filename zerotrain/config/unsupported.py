@@ -67,13 +67,6 @@ def _non_default(section: str, default: Any) -> Callable[[ZeroTrainConfig], Any]
 
 NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
     NotYetBuilt(
-        "NVMe optimizer-state offload",
-        "zero_optimization.offload_optimizer.device",
-        _nvme_offload("offload_optimizer"),
-        'set zero_optimization.offload_optimizer.device to "cpu" (built) or "none"',
-        NVME_OFFLOAD,
-    ),
-    NotYetBuilt(
         "NVMe parameter offload",
         "zero_optimization.offload_param.device",
         _nvme_offload("offload_param"),

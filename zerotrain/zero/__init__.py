@@ -1,5 +1,6 @@
-"""ZeRO internals; `zerotrain.zero.GatheredParameters` is the public piece, as `deepspeed.zero`'s."""
+"""ZeRO internals; `GatheredParameters` and `Init` are the public pieces, as `deepspeed.zero`'s."""
 
 from zerotrain.zero.gathered_parameters import GatheredParameters
+from zerotrain.zero.init_context import Init
 
-__all__ = ["GatheredParameters"]
+__all__ = ["GatheredParameters", "Init"]

@@ -9,6 +9,7 @@ updated parameters (sharded stages) in `allgather_bucket_size` buckets.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -36,6 +37,7 @@ class ZeroOptimizer:
         loss_scaler=None,
         allgather_bucket_size: int = 500_000_000,
         sub_group_size: int = 1_000_000_000,
+        nvme=None,
     ) -> None:
         self.flat_params = flat_params
         self.comm_device = flat_params[0].data.device if flat_params else torch.device("cpu")
@@ -53,6 +55,9 @@ class ZeroOptimizer:
             if masters:
                 groups.append({**options, "params": masters})
         self.optimizer = make_optimizer(groups)
+        self.nvme = nvme  # NvmeOptimizerOffload: state parked on disk between steps
+        if nvme is not None:
+            nvme.attach(self.optimizer)
         self.last_grad_norm: float | None = None
 
     # torch.optim.Optimizer look-alike -------------------------------------------------
@@ -102,9 +107,15 @@ class ZeroOptimizer:
             torch._foreach_mul_(grads, factor)
         for fp in self.flat_params:
             fp.master.grad = None
-        for sub_group in self._sub_groups():
+        sub_groups = self._sub_groups()
+        for n, sub_group in enumerate(sub_groups):
             # Step a sub-group at a time: torch optimizers skip parameters without a gradient,
             # so the temporaries of a (CPU) step stay within sub_group_size elements.
+            if self.nvme is not None:
+                self.nvme.swap_in(sub_group)
+                if n + 1 < len(sub_groups):
+                    self.nvme.swap_in(sub_groups[n + 1], async_op=True)  # read ahead while this one steps
+                self.nvme.wait(sub_group)
             for fp in sub_group:
                 fp.master.grad = grads[self._index[id(fp)]]
             self.optimizer.step()
@@ -113,6 +124,8 @@ class ZeroOptimizer:
                     fp.master.grad = None
                     if not fp.master_is_param:
                         fp.shard().copy_(fp.master)
+            if self.nvme is not None:
+                self.nvme.swap_out(sub_group)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         self.zero_grad()
@@ -188,6 +201,10 @@ class ZeroOptimizer:
 
     # accounting -------------------------------------------------------------------------
 
+    def states_resident(self):
+        """Context in which every master shard and optimizer state is in memory (NVMe offload)."""
+        return self.nvme.resident() if self.nvme is not None else contextlib.nullcontext()
+
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, measured from the tensors themselves.
 
@@ -203,10 +220,10 @@ class ZeroOptimizer:
                 if g is not None:
                     out["grads"] += g.numel() * g.element_size()
             if not fp.master_is_param:
-                out["master"] += fp.master.numel() * fp.master.element_size()
+                out["master"] += fp.master.untyped_storage().nbytes()  # 0 while parked on NVMe
         for state in self.optimizer.state.values():
             for v in state.values():
                 if torch.is_tensor(v):
                     key = "optimizer_state" if v.numel() > 1 else "optimizer_scalars"
-                    out[key] += v.numel() * v.element_size()
+                    out[key] += v.untyped_storage().nbytes()
         return out

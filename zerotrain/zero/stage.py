@@ -22,6 +22,7 @@ from torch import nn
 
 from zerotrain import distributed as zdist
 from zerotrain.zero.flat_param import FlatParam, split_into_buckets
+from zerotrain.zero.init_context import Materializer, has_deferred_params
 from zerotrain.zero.units import assign_params_to_units, find_layer_units
 
 
@@ -72,37 +73,45 @@ def build_flat_params(
     """Flattens each param group's trainable parameters into FlatParam buckets.
 
     Parameters are taken in reverse registration order, roughly the order backward
-    produces their gradients, so the first bucket fills first.
+    produces their gradients, so the first bucket fills first. Buckets are made a unit
+    at a time (stage 3) and sharded before the next unit's are made. A model built under
+    `zero.Init` is materialized here, unit by unit, straight into its buckets.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    offload = offload or OffloadPlan()
     names: dict[nn.Parameter, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, n)  # tied weights keep their first name, as named_parameters() reports
+    units = find_layer_units(model)
+    deferred = Materializer(model, units, world) if has_deferred_params(model) else None
     flat_params: list[FlatParam] = []
-    for g, bucket, unit, persistent in _buckets(model, param_groups, plan, bucket_numel, persistence_threshold):
-        fp = FlatParam(bucket, [names.get(p, "?") for p in bucket], g, world, rank, plan.shards_optimizer)
-        fp.unit = unit
-        fp.persistent = persistent
-        flat_params.append(fp)
-    if world > 1:
-        # DeepSpeed starts every rank from rank 0's weights; so do we.
-        for fp in flat_params:
-            zdist.broadcast(fp.data, 0, "init")
+    for unit, buckets in _buckets(model, units, param_groups, plan, bucket_numel, persistence_threshold):
+        batch = []
+        for g, bucket, persistent in buckets:
+            fp = FlatParam(bucket, [names.get(p, "?") for p in bucket], g, world, rank, plan.shards_optimizer)
+            fp.unit = unit
+            fp.persistent = persistent
+            batch.append(fp)
+        if deferred is not None:
+            deferred.materialize(batch, unit)  # the same values on every rank: nothing to broadcast
+        elif world > 1:
+            for fp in batch:  # DeepSpeed starts every rank from rank 0's weights; so do we.
+                zdist.broadcast(fp.data, 0, "init")
+        for fp in batch:
+            fp.make_master(compute_dtype, offload.optimizer_device, offload.pin_memory)
+            fp.cast_to(compute_dtype)
+            if plan.shards_params and not fp.persistent:
+                fp.keep_only_shard(offload.param_device, offload.pin_memory)
+        flat_params.extend(batch)
+    if deferred is not None:
+        deferred.finish()  # units with no trainable parameters
+    elif world > 1:
         flat = {p for fp in flat_params for p in fp.params}
         for t in [p for p in model.parameters() if p not in flat] + list(model.buffers()):
             zdist.broadcast(t.data, 0, "init")
-    offload = offload or OffloadPlan()
-    for fp in flat_params:
-        fp.make_master(compute_dtype, offload.optimizer_device, offload.pin_memory)
     if compute_dtype != torch.float32:
-        model.to(compute_dtype)  # frozen parameters and floating buffers
-        for fp in flat_params:
-            fp.cast_to(compute_dtype)
-    if plan.shards_params:
-        for fp in flat_params:
-            if not fp.persistent:
-                fp.keep_only_shard(offload.param_device, offload.pin_memory)
+        model.to(compute_dtype)  # frozen parameters and floating buffers (buckets are cast already)
     for fp in flat_params:
         if plan.keeps_whole_grads:
             fp.ensure_grad_full()
@@ -111,27 +120,32 @@ def build_flat_params(
     return flat_params
 
 
-def _buckets(model, param_groups, plan: StagePlan, bucket_numel: int, persistence_threshold: int):
-    """(group, parameters, unit, persistent) per FlatParam, in the order backward completes them.
+def _buckets(model, units, param_groups, plan: StagePlan, bucket_numel: int, persistence_threshold: int):
+    """(unit, [(group, parameters, persistent) per FlatParam]) in the order backward completes them.
 
-    Stages 0-2: reverse registration order cut into `bucket_numel` buckets. Stage 3: one
-    bucket per (unit, group), the layer units last to first, then the root unit, whose
-    embedding gradient is the last one backward produces. Parameters smaller than
-    `persistence_threshold` (norms, biases) go to a per-unit bucket that stays whole, as
-    stage 2 keeps them: gathering many tiny tensors costs more latency than it saves memory.
+    Stages 0-2: one batch (unit None) of reverse registration order cut into `bucket_numel`
+    buckets. Stage 3: per unit, one bucket per group, the layer units last to first, then
+    the root unit, whose embedding gradient is the last one backward produces. Parameters
+    smaller than `persistence_threshold` (norms, biases) go to a per-unit bucket that stays
+    whole, as stage 2 keeps them: gathering many tiny tensors costs more latency than it
+    saves memory.
     """
     group_of = {p: g for g, params in enumerate(param_groups) for p in params}
     if not plan.shards_params:
-        for g, params in enumerate(param_groups):
-            for bucket in split_into_buckets(list(reversed(params)), bucket_numel):
-                yield g, bucket, None, False
+        yield None, [
+            (g, bucket, False)
+            for g, params in enumerate(param_groups)
+            for bucket in split_into_buckets(list(reversed(params)), bucket_numel)
+        ]
         return
-    units = find_layer_units(model)
     per_unit, root = assign_params_to_units(model, units)
     for unit, params in [*reversed(list(zip(units, per_unit))), (model, root)]:
+        batch = []
         for g in range(len(param_groups)):
             in_group = [p for p in params if group_of.get(p) == g]
             for persistent in (False, True):
                 bucket = [p for p in in_group if (p.numel() < persistence_threshold) == persistent]
                 if bucket:
-                    yield g, bucket, unit, persistent
+                    batch.append((g, bucket, persistent))
+        if batch:
+            yield unit, batch

@@ -1,0 +1,269 @@
+"""`zero.Init`: build a model whose parameters exist only as shapes until ZeRO shards them.
+
+Inside the context every parameter a module registers is replaced, at registration,
+by a parameter of the same shape on the meta device (no memory); the tensor the
+module's `__init__` allocated for it is dropped at once (`torch.empty` memory is never
+touched). Buffers are computed as usual, on the current device: they are small and
+often derived in `__init__` (rotary `inv_freq`), where the meta device would lose them.
+
+`build_flat_params` (stage.py) materializes the model one unit at a time with
+`Materializer`: the unit's buckets get their real buffers, torch's RNG is seeded with
+the same seed on every rank (a base seed from rank 0, plus the unit's index), and the
+unit's modules are initialized in place: `reset_parameters()` where a module has it,
+then, for modules of a Hugging Face model, the model's own `_init_weights(module)`. At
+stage 3 the unit is sharded before the next one exists, so a rank never holds more than
+its shards plus one whole unit.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from zerotrain import distributed as zdist
+from zerotrain.zero.units import assign_params_to_units
+
+_DEFERRED = "_zerotrain_deferred"  # on a module built under Init: the base seed of its initialization
+_TARGET = "_zerotrain_target_device"  # where `.to(device)` asked a deferred module to go
+_KEPT = "_zerotrain_init_values"  # small parameters' values from __init__, for modules with no initializer
+_KEEP_NUMEL = 1 << 16
+
+
+class Init:
+    """DeepSpeed's `zero.Init`: a model built inside is not allocated until `initialize` shards it.
+
+        with zerotrain.zero.Init(config=ds_config):
+            model = AutoModelForCausalLM.from_config(cfg)
+        engine, *_ = zerotrain.initialize(model=model, config=ds_config)
+
+    Args:
+        module: DeepSpeed partitions an already built module here; ours is sharded by
+            `initialize` anyway, so it is accepted and left as it is.
+        config, config_dict_or_path: accepted for DeepSpeed compatibility; the stage and
+            precision come from the config given to `initialize`.
+        enabled: False makes the context a no-op (a normal model is built).
+        dtype: floating-point dtype the deferred parameters are recorded with (frozen
+            parameters are materialized in it; trainable ones are initialized in fp32, in
+            their bucket, since the fp32 masters are made from them).
+        **ignored_deepspeed_kwargs: `remote_device`, `pin_memory`, `data_parallel_group`, ...
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        *,
+        config=None,
+        config_dict_or_path=None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        **ignored_deepspeed_kwargs,
+    ) -> None:
+        self.module = module
+        self.config = config if config is not None else config_dict_or_path
+        self.enabled = enabled
+        self.dtype = dtype
+        self.ignored = ignored_deepspeed_kwargs
+        self._handles: list = []
+        self._seed = 0
+
+    def __enter__(self) -> Init:
+        if self.enabled:
+            # Drawn from torch's RNG, so torch.manual_seed() before the model reproduces it.
+            self._seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            self._handles = [
+                torch_module.register_module_parameter_registration_hook(self._on_parameter),
+                torch_module.register_module_module_registration_hook(self._on_submodule),
+            ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _on_parameter(self, module: nn.Module, name: str, param):
+        if param is None or type(param) is not nn.Parameter:
+            return None  # lazy or custom parameter types are left whole
+        self._mark(module)
+        if param.is_meta:
+            return None  # already deferred (tied weights, re-registration)
+        if param.numel() <= _KEEP_NUMEL and not callable(getattr(module, "reset_parameters", None)):
+            # e.g. `nn.Parameter(torch.ones(d))` in a module nothing else would initialize
+            module.__dict__.setdefault(_KEPT, {})[name] = param.detach().clone()
+        dtype = self.dtype if self.dtype is not None and param.is_floating_point() else param.dtype
+        deferred = nn.Parameter(param.detach().to(device="meta", dtype=dtype), requires_grad=param.requires_grad)
+        deferred.__dict__.update(param.__dict__)
+        return deferred
+
+    def _on_submodule(self, parent: nn.Module, name: str, child):
+        if child is not None and _DEFERRED in child.__dict__:
+            self._mark(parent)
+        return None
+
+    def _mark(self, module: nn.Module) -> None:
+        if _DEFERRED not in module.__dict__:
+            object.__setattr__(module, _DEFERRED, self._seed)
+            object.__setattr__(module, "_apply", types.MethodType(_deferred_apply, module))
+
+
+def _deferred_apply(self: nn.Module, fn, recurse: bool = True):
+    """`Module._apply` for a deferred module: `.to(device)` cannot copy meta tensors, so it
+    records the device (the one `initialize` moves the model to) and applies only the dtype."""
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return fn(t)
+        try:
+            return fn(t)  # dtype casts, to("meta"), to_empty
+        except NotImplementedError:  # "Cannot copy out of meta tensor"
+            probe = fn(torch.empty(0, dtype=t.dtype))
+            object.__setattr__(self, _TARGET, probe.device)
+            return t.to(dtype=probe.dtype)
+
+    return nn.Module._apply(self, apply, recurse)
+
+
+def has_deferred_params(model: nn.Module) -> bool:
+    """True when the model's parameters are still to be materialized (built under `Init`)."""
+    if not any(p.is_meta for p in model.parameters()):
+        return False
+    if not any(_DEFERRED in m.__dict__ for m in model.modules()):
+        raise ValueError(
+            "the model has parameters on the meta device but was not built under zerotrain.zero.Init, "
+            "so nothing says how to initialize them: build it inside `with zerotrain.zero.Init():`"
+        )
+    return True
+
+
+class Materializer:
+    """Gives a deferred model real parameters, unit by unit, identical on every rank."""
+
+    def __init__(self, model: nn.Module, units: list[nn.Module], world: int) -> None:
+        self.model = model
+        self.world = world
+        self.device = getattr(model, _TARGET, None) or zdist.device_for(zdist.read_launch_env().local_rank)
+        seed = next(m.__dict__[_DEFERRED] for m in model.modules() if _DEFERRED in m.__dict__)
+        seed_t = torch.tensor([seed], dtype=torch.int64, device=self.device)
+        if world > 1:
+            zdist.broadcast(seed_t, 0, "init")  # every rank draws the values rank 0 would
+        self.base_seed = int(seed_t.item())
+        self.units: list[nn.Module] = [model, *units]  # index 0: the root unit
+        per_unit, root = assign_params_to_units(model, units)  # every parameter, frozen ones too
+        self.owned = [root, *per_unit]
+        in_layers = {id(m) for u in units for m in u.modules()}
+        self.modules = [_post_order(model, skip=in_layers), *[_post_order(u, skip=set()) for u in units]]
+        self.names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.hf_owner = _hf_owners(model)
+        self.done: set[int] = set()
+
+    def materialize(self, flat_params: list, unit: nn.Module | None) -> None:
+        """Allocates the buckets' buffers on the device, then initializes `unit` (all units
+        when None: stages 0-2, whose buckets span units) into them."""
+        for fp in flat_params:
+            for p in fp.params:
+                if p.is_meta:
+                    _swap_in(p, torch.empty(0, dtype=p.dtype, device=self.device))
+            fp.data = torch.zeros(fp.padded_numel, dtype=torch.float32, device=self.device)
+            fp._point_params_at_data()
+        indices = range(len(self.units)) if unit is None else [next(i for i, u in enumerate(self.units) if u is unit)]
+        for i in indices:
+            self._init_unit(i)
+
+    def finish(self) -> None:
+        """Units without trainable parameters (frozen ones), then checks and unmarks the model."""
+        for i in range(len(self.units)):
+            self._init_unit(i)
+        left = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta]
+        if left:
+            raise RuntimeError(f"zero.Init: could not materialize {left[:5]}")
+        for m in self.model.modules():
+            for key in (_DEFERRED, _TARGET, _KEPT, "_apply"):
+                m.__dict__.pop(key, None)
+
+    def _init_unit(self, i: int) -> None:
+        if i in self.done:
+            return
+        self.done.add(i)
+        fresh = {id(p) for p in self.owned[i]}
+        for p in self.owned[i]:
+            if p.is_meta:  # frozen, or trainable but outside the param groups: kept whole
+                _swap_in(p, torch.zeros(p.shape, dtype=p.dtype, device=self.device))
+            p.__dict__.pop("_is_hf_initialized", None)  # HF's init functions would skip it
+        uninitialized = []
+        with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.base_seed + i)
+            for m in self.modules[i]:
+                for name, b in list(m._buffers.items()):
+                    if b is not None and b.is_meta:
+                        m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
+                # Parameters of other units (tied weights) must not be written here.
+                others = {n: p for n, p in m._parameters.items() if p is not None and id(p) not in fresh}
+                for n, p in others.items():
+                    m._parameters[n] = nn.Parameter(torch.empty(getattr(p, "ds_shape", p.shape), device="meta"))
+                for n, value in m.__dict__.get(_KEPT, {}).items():
+                    p = m._parameters.get(n)
+                    if p is not None and id(p) in fresh and p.shape == value.shape:
+                        p.copy_(value)
+                        if self.world > 1:  # values of rank 0's __init__, as a non-deferred model gets
+                            zdist.broadcast(p.data, 0, "init")
+                reset = getattr(m, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+                owner = self.hf_owner.get(m)
+                if owner is not None:
+                    owner._init_weights(m)
+                if not callable(reset) and owner is None:
+                    kept = m.__dict__.get(_KEPT, {})
+                    uninitialized += [self.names.get(id(p), n) for n, p in m._parameters.items() if p is not None and id(p) in fresh and n not in kept]
+                m._parameters.update(others)
+        if uninitialized:
+            warnings.warn(
+                f"zero.Init: {uninitialized[:5]} have no initializer (no reset_parameters(), not in a "
+                "Hugging Face model) and were too large to keep from __init__: they start as zeros",
+                stacklevel=3,
+            )
+
+
+def _swap_in(p: nn.Parameter, value: torch.Tensor) -> None:
+    """Gives the (meta) parameter `p` the tensor `value`, keeping its identity (optimizer
+    groups, tied modules and names all hold this object) and its attributes."""
+    attrs = dict(p.__dict__)
+    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+    p.__dict__.update(attrs)
+
+
+def _post_order(root: nn.Module, skip: set[int]) -> list[nn.Module]:
+    """Modules under `root`, children before parents (as Hugging Face initializes), minus
+    the subtrees in `skip` (the layer units, for the root unit)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen or id(m) in skip:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            visit(child)
+        out.append(m)
+
+    visit(root)
+    return out
+
+
+def _hf_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
+    """Each module's nearest enclosing Hugging Face `PreTrainedModel`, whose `_init_weights` it follows."""
+    if "transformers" not in sys.modules:
+        return {}
+    from transformers import PreTrainedModel
+
+    owner: dict[nn.Module, nn.Module] = {}
+    for m in model.modules():  # pre-order: a nested model overwrites its parent's claim
+        if isinstance(m, PreTrainedModel):
+            for sub in m.modules():
+                owner[sub] = m
+    return owner
