@@ -69,12 +69,10 @@ class Init:
         self.dtype = dtype
         self.ignored = ignored_deepspeed_kwargs
         self._handles: list = []
-        self._seed = 0
+        self._seed: int | None = None
 
     def __enter__(self) -> Init:
         if self.enabled:
-            # Drawn from torch's RNG, so torch.manual_seed() before the model reproduces it.
-            self._seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
             self._handles = [
                 torch_module.register_module_parameter_registration_hook(self._on_parameter),
                 torch_module.register_module_module_registration_hook(self._on_submodule),
@@ -106,6 +104,10 @@ class Init:
         return None
 
     def _mark(self, module: nn.Module) -> None:
+        if self._seed is None:
+            # Drawn from torch's RNG when the first parameter appears, so torch.manual_seed()
+            # before the model (inside the context or not) reproduces its initial values.
+            self._seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         if _DEFERRED not in module.__dict__:
             object.__setattr__(module, _DEFERRED, self._seed)
             object.__setattr__(module, "_apply", types.MethodType(_deferred_apply, module))
@@ -156,7 +158,7 @@ class Materializer:
         per_unit, root = assign_params_to_units(model, units)  # every parameter, frozen ones too
         self.owned = [root, *per_unit]
         in_layers = {id(m) for u in units for m in u.modules()}
-        self.modules = [_post_order(model, skip=in_layers), *[_post_order(u, skip=set()) for u in units]]
+        self.unit_modules = [_post_order(model, skip=in_layers), *[_post_order(u, skip=set()) for u in units]]
         self.names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self.hf_owner = _hf_owners(model)
         self.done: set[int] = set()
@@ -194,39 +196,46 @@ class Materializer:
             if p.is_meta:  # frozen, or trainable but outside the param groups: kept whole
                 _swap_in(p, torch.zeros(p.shape, dtype=p.dtype, device=self.device))
             p.__dict__.pop("_is_hf_initialized", None)  # HF's init functions would skip it
-        uninitialized = []
+        uninitialized: list[str] = []
         with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.base_seed + i)
-            for m in self.modules[i]:
-                for name, b in list(m._buffers.items()):
-                    if b is not None and b.is_meta:
-                        m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
-                # Parameters of other units (tied weights) must not be written here.
+            for m in self.unit_modules[i]:
+                # Parameters of other units (tied weights) are not written here: a stand-in takes their place.
                 others = {n: p for n, p in m._parameters.items() if p is not None and id(p) not in fresh}
                 for n, p in others.items():
                     m._parameters[n] = nn.Parameter(torch.empty(getattr(p, "ds_shape", p.shape), device="meta"))
-                for n, value in m.__dict__.get(_KEPT, {}).items():
-                    p = m._parameters.get(n)
-                    if p is not None and id(p) in fresh and p.shape == value.shape:
-                        p.copy_(value)
-                        if self.world > 1:  # values of rank 0's __init__, as a non-deferred model gets
-                            zdist.broadcast(p.data, 0, "init")
-                reset = getattr(m, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-                owner = self.hf_owner.get(m)
-                if owner is not None:
-                    owner._init_weights(m)
-                if not callable(reset) and owner is None:
-                    kept = m.__dict__.get(_KEPT, {})
-                    uninitialized += [self.names.get(id(p), n) for n, p in m._parameters.items() if p is not None and id(p) in fresh and n not in kept]
-                m._parameters.update(others)
+                try:
+                    if not self._init_module(m):
+                        kept = m.__dict__.get(_KEPT, {})
+                        uninitialized += [self.names.get(id(p), n) for n, p in m._parameters.items()
+                                          if p is not None and n not in others and n not in kept]
+                finally:
+                    m._parameters.update(others)
         if uninitialized:
             warnings.warn(
                 f"zero.Init: {uninitialized[:5]} have no initializer (no reset_parameters(), not in a "
                 "Hugging Face model) and were too large to keep from __init__: they start as zeros",
-                stacklevel=3,
+                stacklevel=4,
             )
+
+    def _init_module(self, m: nn.Module) -> bool:
+        """Initializes `m`'s own parameters and buffers; False if nothing knows how to."""
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
+        for name, value in m.__dict__.get(_KEPT, {}).items():
+            p = m._parameters.get(name)
+            if p is not None and not p.is_meta and p.shape == value.shape:
+                p.copy_(value)
+                if self.world > 1:  # rank 0's __init__ values, as a model built whole gets
+                    zdist.broadcast(p.data, 0, "init")
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        owner = self.hf_owner.get(m)
+        if owner is not None:
+            owner._init_weights(m)
+        return callable(reset) or owner is not None
 
 
 def _swap_in(p: nn.Parameter, value: torch.Tensor) -> None:

@@ -8,8 +8,9 @@
 | 3     | shard, gathered per unit for use | shard, reduce-scattered in backward | shard                 |
 
 `build_flat_params` applies it to a model: buckets its trainable parameters,
-makes every rank start from rank 0's weights, creates the master shards and
-casts to the compute dtype.
+makes every rank start from rank 0's weights (or, for a model built under
+`zero.Init`, materializes it unit by unit), creates the master shards and casts
+to the compute dtype.
 """
 
 from __future__ import annotations
