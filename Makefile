@@ -26,8 +26,18 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-bench: install
-	$(PY) benchmarks/run.py
+# A venv of its own (.venv-bench, never the shared test venv): the pinned torch first,
+# then zerotrain and DeepSpeed. Results go to runs/bench.{json,md}; pass harness flags with
+# ARGS, e.g. `make bench ARGS="--repeats 1 --engines ddp,zerotrain-0"`.
+bench:
+	@test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
+	@test -f .venv-bench/.torch-$(firstword $(TORCH)) || { \
+	  .venv-bench/bin/python -m pip --disable-pip-version-check -q install "torch==$(TORCH)" && \
+	  rm -f .venv-bench/.torch-* .venv-bench/.installed && touch .venv-bench/.torch-$(firstword $(TORCH)); }
+	@test .venv-bench/.installed -nt pyproject.toml || { \
+	  .venv-bench/bin/python -m pip --disable-pip-version-check -q install -e . deepspeed && \
+	  touch .venv-bench/.installed; }
+	.venv-bench/bin/python benchmarks/run.py --out runs/bench.json --markdown runs/bench.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,154 @@
+"""One adapter per engine under test: build it around the model, then forward / backward / step.
+
+Each `build_*` takes the freshly built fp32 model (on the CPU) and returns a
+`Trainer` whose three calls are exactly what a user of that engine writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from workload import ds_config, optimizer_kwargs
+
+ENGINES = ["ddp", "zerotrain-0", "deepspeed-0", "zerotrain-1", "deepspeed-1", "zerotrain-2", "deepspeed-2", "fsdp2"]
+
+
+@dataclass
+class Trainer:
+    forward: Callable[[torch.Tensor], torch.Tensor]  # batch -> loss
+    backward: Callable[[torch.Tensor], None]
+    step: Callable[[], None]
+    device: torch.device
+    info: dict = field(default_factory=dict)
+    memory_breakdown: Callable[[], dict] | None = None
+
+
+def split(name: str) -> tuple[str, int | None]:
+    """'zerotrain-2' -> ('zerotrain', 2); 'ddp' -> ('ddp', None)."""
+    family, _, stage = name.partition("-")
+    return family, int(stage) if stage else None
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _init_torch_dist(device: torch.device) -> None:
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def _autocast(args, device: torch.device):
+    if args.dtype == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def build(name: str, model: torch.nn.Module, args) -> Trainer:
+    family, stage = split(name)
+    return {"zerotrain": _zerotrain, "deepspeed": _deepspeed, "ddp": _ddp, "fsdp2": _fsdp2}[family](
+        model, args, stage
+    )
+
+
+def _zerotrain(model, args, stage) -> Trainer:
+    import zerotrain
+
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args, stage))
+    return Trainer(
+        forward=lambda x: engine(input_ids=x, labels=x).loss,
+        backward=engine.backward,
+        step=engine.step,
+        device=engine.device,
+        info={"version": zerotrain.__version__, "backend": dist.get_backend(),
+              "optimizer": type(engine.optimizer.optimizer).__name__},
+        memory_breakdown=engine.memory_breakdown,
+    )
+
+
+def _deepspeed(model, args, stage) -> Trainer:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # deepspeed.initialize sets up the process group with its accelerator's backend
+    # (on CPU: ccl when oneccl_bindings_for_pytorch is installed, else gloo).
+    engine, optimizer, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(args, stage)
+    )
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return Trainer(
+        forward=lambda x: engine(input_ids=x, labels=x).loss,
+        backward=engine.backward,
+        step=engine.step,
+        device=engine.device,
+        info={"version": deepspeed.__version__, "backend": dist.get_backend(),
+              "accelerator": get_accelerator().device_name(),
+              "optimizer": f"{type(optimizer).__name__}({type(inner).__name__})"},
+    )
+
+
+def _ddp(model, args, stage) -> Trainer:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device = _device()
+    _init_torch_dist(device)
+    model.to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), **optimizer_kwargs(args))
+    autocast = _autocast(args, device)
+
+    def forward(x):
+        with autocast():
+            return ddp(input_ids=x, labels=x).loss
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Trainer(forward, lambda loss: loss.backward(), step, device,
+                   info={"version": torch.__version__, "backend": dist.get_backend(), "optimizer": "AdamW"})
+
+
+def _fully_shard():
+    try:  # torch >= 2.6
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.4-2.5
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+def _fsdp2(model, args, stage) -> Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard, MixedPrecisionPolicy = _fully_shard()
+    device = _device()
+    _init_torch_dist(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kw = {"mesh": mesh}
+    if args.dtype == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model.to(device)
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(args))
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Trainer(lambda x: model(input_ids=x, labels=x).loss, lambda loss: loss.backward(), step, device,
+                   info={"version": torch.__version__, "backend": dist.get_backend(), "optimizer": "AdamW",
+                         "sharding": "fully_shard per decoder layer + root, reshard_after_forward=True"})
