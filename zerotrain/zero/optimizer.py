@@ -158,7 +158,8 @@ class ZeroOptimizer:
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm of the whole gradient: each rank sums squares over its shard only."""
-        sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        # foreach norms: no squared copy of every bucket
+        sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
         sq = sq.to(self.comm_device)  # offloaded grads are on the CPU; NCCL reduces device tensors
         if self.sharded:
             zdist.all_reduce(sq, "scalar")
