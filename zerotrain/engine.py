@@ -37,8 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zerotrain")
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 class Engine(nn.Module):
     """Wraps a model for ZeRO data-parallel training; built by `zerotrain.initialize`."""
@@ -82,12 +80,11 @@ class Engine(nn.Module):
         )
         if self.plan.shards_params and self.rank == 0:
             _warn_unhonoured_stage3_knobs(zero)
-        comm = config.communication_data_type
         self.reducer = GradReducer(
             self.flat_params,
             self.plan.stage,
             self.world_size,
-            _DTYPES[comm] if comm else None,
+            config.communication_dtype,
             config.prescale_gradients,
             config.gradient_predivide_factor,
         )

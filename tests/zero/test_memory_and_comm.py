@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_on_ranks
-from llama_workload import train_zerotrain, zero_config
+from llama_workload import global_batch, train_zerotrain, zero_config
 
 
 def _measure(world: int) -> dict:
@@ -28,10 +28,7 @@ def _measure(world: int) -> dict:
             engine = run["engine"]
             fps = engine.flat_params
             COMM_COUNTER.reset()
-            run["engine"].module.zero_grad()
             # one more optimizer step, counted
-            from llama_workload import global_batch
-
             ids = global_batch(0)
             micro = engine.train_micro_batch_size_per_gpu()
             chunk = ids[engine.rank * micro : (engine.rank + 1) * micro]

@@ -142,10 +142,8 @@ class FlatParam:
 
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
         """Accumulates one parameter's gradient into the whole-gradient buffer."""
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
         off, n = self.offsets[index], self.numels[index]
-        self.grad_full[off : off + n].add_(grad.reshape(-1))
+        self.ensure_grad_full()[off : off + n].add_(grad.reshape(-1))
 
     def ensure_grad_full(self) -> torch.Tensor:
         """The whole-gradient buffer, zeros if no parameter produced a gradient."""

@@ -23,6 +23,7 @@ class NvmeOptimizerOffload:
     def __init__(self, store: NvmeStore, flat_params: list[FlatParam]) -> None:
         self.store = store
         self.flat_params = flat_params
+        self._index = {id(fp): i for i, fp in enumerate(flat_params)}
         self.optimizer: torch.optim.Optimizer | None = None
         for fp in flat_params:
             if fp.master_is_param:
@@ -41,7 +42,7 @@ class NvmeOptimizerOffload:
         self.swap_out(self.flat_params)
 
     def _tensors(self, fp: FlatParam) -> list[tuple[str, torch.Tensor]]:
-        i = self.flat_params.index(fp)
+        i = self._index[id(fp)]
         out = [(f"{i}.master", fp.master)]
         state = self.optimizer.state.get(fp.master, {}) if self.optimizer is not None else {}
         out += [(f"{i}.{k}", v) for k, v in state.items() if torch.is_tensor(v) and v.numel() == fp.master.numel()]

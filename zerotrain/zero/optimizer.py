@@ -90,7 +90,7 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """Takes one optimizer step on the reduced gradients. Returns False if fp16 overflowed."""
-        grads = [self._master_grad(fp) for fp in self.flat_params]
+        grads = [self._master_grad(fp) for fp in self.flat_params]  # attached per sub-group below
         scale = self.cur_scale
         if self.loss_scaler is not None and self._overflowed(grads):
             self.loss_scaler.update_scale(True)
@@ -105,8 +105,6 @@ class ZeroOptimizer:
             factor *= min(self.clip / (norm + 1e-6), 1.0)
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
-        for fp in self.flat_params:
-            fp.master.grad = None
         sub_groups = self._sub_groups()
         for n, sub_group in enumerate(sub_groups):
             # Step a sub-group at a time: torch optimizers skip parameters without a gradient,
@@ -146,9 +144,7 @@ class ZeroOptimizer:
 
     def _master_grad(self, fp: FlatParam) -> torch.Tensor:
         """The shard's gradient where the master lives, in fp32 (a copy only when needed)."""
-        grad = fp.grad_of_shard()
-        fp.master.grad = grad.to(device=fp.master.device, dtype=torch.float32)
-        return fp.master.grad
+        return fp.grad_of_shard().to(device=fp.master.device, dtype=torch.float32)
 
     def _overflowed(self, grads: list[torch.Tensor]) -> bool:
         local = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float().to(self.comm_device)
