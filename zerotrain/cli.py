@@ -5,6 +5,9 @@
     zerotrain config check PATH [--world-size N] [--set KEY=VALUE ...]
     zerotrain consolidate CHECKPOINT_DIR OUTPUT [--tag T] [--dtype fp32|bf16|fp16]
                           [--max-shard-size 5GB] [--hf [MODEL_CONFIG_DIR]]
+    zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--resume] [--detach] [--section.key VALUE ...]
+    zerotrain logs RUN_DIR [-f]
+    zerotrain stop RUN_DIR
 """
 
 from __future__ import annotations
@@ -155,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_parser(subparsers)
     _add_config_parser(subparsers)
     _add_consolidate_parser(subparsers)
+    from zerotrain.train.command import add_run_parsers
+
+    add_run_parsers(subparsers)
     return parser
 
 
@@ -280,6 +286,12 @@ def run_consolidate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `zerotrain` console script and of `python -m zerotrain`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        # `train` takes free-form --section.key VALUE overrides, which argparse cannot express.
+        from zerotrain.train.command import main_train
+
+        return main_train(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)
     return int(args.handler(args))

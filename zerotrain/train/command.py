@@ -1,0 +1,231 @@
+"""`zerotrain train`, `zerotrain logs` and `zerotrain stop`.
+
+    zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--resume] [--detach] [--section.key VALUE ...]
+    zerotrain logs RUN_DIR [-f]
+    zerotrain stop RUN_DIR [--wait SECONDS]
+
+`train` reads and validates the config (and the overrides) before anything starts,
+so a typo fails in a second, not after workers have spun up. Under a launcher
+(`zerotrain launch`, torchrun, srun: RANK and WORLD_SIZE are set) every process
+runs the trainer itself; otherwise it starts N local processes (every GPU, or 2 on
+a CPU-only machine), each of which runs the merged config written to the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+USAGE_EXIT_CODE = 2
+TRAIN_USAGE = (
+    "zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--resume] [--detach] [--section.key VALUE ...]"
+)
+TRAIN_HELP = f"""usage: {TRAIN_USAGE}
+
+Train or fine-tune a Hugging Face causal LM from one YAML file (sections model, data,
+training, zero, logging, output). Without CONFIG it runs the embedded default: a small
+Llama learning a generated arithmetic language on this machine.
+
+  CONFIG.yaml           the run's config; `inherit: [base.yaml]` merges other files
+  --section.key VALUE   override any key, e.g. --training.micro_batch_size 4
+                        --zero.zero_optimization.stage 3 (VALUE is read as YAML)
+  --nproc_per_node N    processes on this machine (default: every GPU, or 2 without GPUs)
+  --resume              continue from the newest checkpoint in output.dir
+  --detach              run in the background (survives the terminal closing); then
+                        `zerotrain logs RUN_DIR -f` and `zerotrain stop RUN_DIR`
+"""
+
+
+def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
+    """(config path, trainer flags, override tokens) from `zerotrain train`'s arguments."""
+    config: str | None = None
+    flags: dict = {"nproc_per_node": None, "resume": False, "detach": False, "help": False}
+    overrides: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        token = args[i]
+        name = token.split("=", 1)[0]
+        if token in ("-h", "--help"):
+            flags["help"] = True
+        elif name in ("--nproc_per_node", "--nproc-per-node"):
+            value, i = _flag_value(args, i, name)
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{name} needs a positive number of processes, got {value!r}")
+            flags["nproc_per_node"] = int(value)
+        elif token in ("--resume", "--detach"):
+            flags[token[2:]] = True
+        elif token.startswith("--") and "." in name:
+            overrides.append(token)
+            if "=" not in token and i + 1 < len(args):
+                overrides.append(args[i + 1])
+                i += 1
+        elif token.startswith("-"):
+            raise ValueError(
+                f"unknown flag {token!r}: config keys are set as --section.key VALUE (e.g. --training.lr 1e-4); "
+                "see `zerotrain train --help`"
+            )
+        elif config is None:
+            config = token
+        else:
+            raise ValueError(f"one config file is accepted, got {config!r} and {token!r} (use inherit: to merge files)")
+        i += 1
+    return config, flags, overrides
+
+
+def _flag_value(args: list[str], i: int, name: str) -> tuple[str, int]:
+    if "=" in args[i]:
+        return args[i].split("=", 1)[1], i
+    if i + 1 >= len(args):
+        raise ValueError(f"{name} needs a value")
+    return args[i + 1], i + 1
+
+
+def main_train(argv: Sequence[str]) -> int:
+    """`zerotrain train`: returns the exit status."""
+    from zerotrain.config.errors import ConfigError
+    from zerotrain.train.config import load_train_config
+    from zerotrain.train.run_control import RunControlError, clear_pid, detach, write_pid
+
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        config, flags, overrides = split_train_argv(argv)
+        if flags["help"]:
+            print(TRAIN_HELP)
+            return 0
+        cfg = load_train_config(config, overrides)
+    except (ValueError, ConfigError) as error:
+        err.print(f"[red]zerotrain train: {escape(str(error))}[/]")
+        return USAGE_EXIT_CODE
+    resume = "auto" if flags["resume"] else cfg.training.resume
+    run_dir = Path(cfg.output.dir)
+    if flags["detach"]:
+        try:
+            pid = detach(run_dir, [a for a in argv if a != "--detach"])
+        except RunControlError as error:
+            err.print(f"[red]zerotrain train: {escape(str(error))}[/]")
+            return 1
+        Console(soft_wrap=True).print(
+            f"started in the background (pid {pid}); it keeps running if this terminal closes\n"
+            f"  log:    {escape(str(run_dir / 'train.log'))}\n"
+            f"  follow: zerotrain logs {escape(str(run_dir))} -f\n"
+            f"  stop:   zerotrain stop {escape(str(run_dir))}   (checkpoints first)"
+        )
+        return 0
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks():
+        return _run_here(cfg, resume)
+    from zerotrain.launcher.local import LaunchError, LocalLaunch, launch_local, visible_gpu_count
+
+    nproc = flags["nproc_per_node"] or visible_gpu_count() or 2
+    write_pid(run_dir)
+    try:
+        if nproc == 1:
+            return _run_here(cfg, resume)
+        merged = cfg.write(run_dir)
+        request = LocalLaunch(
+            target="zerotrain.train.worker", target_args=(str(merged), "--resume", str(resume)),
+            nproc=nproc, module=True, local_rank_arg=False,
+        )
+        try:
+            return launch_local(request, err)
+        except LaunchError as error:
+            err.print(f"[red]zerotrain train: {escape(str(error))}[/]")
+            return USAGE_EXIT_CODE
+    finally:
+        clear_pid(run_dir)
+
+
+def _under_slurm_tasks() -> bool:
+    # srun starts one task per rank; each must train, not launch more processes.
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def _run_here(cfg, resume: str) -> int:
+    """Runs the trainer in this process (one rank of a launched job, or a single process)."""
+    from zerotrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, resume=resume)
+    summary = trainer.run()
+    if trainer.rank == 0:
+        print_summary(summary, Console(soft_wrap=True))
+    return 0
+
+
+def print_summary(summary: dict, console: Console) -> None:
+    """The one-screen report at the end of a run."""
+    table = Table(title=f"zerotrain train: {summary['status']}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("steps", f"{summary['steps']} ({summary['steps_this_run']} in this run)"),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+        ("mean tokens/s", f"{summary['mean_tokens_per_s']:,.0f}"),
+        ("final loss", f"{summary['final_loss']:.4f}"),
+    ]
+    if "eval_loss" in summary:
+        rows.append(("eval loss / ppl", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
+    rows += [("run directory", summary["run_dir"]), ("checkpoints", summary["checkpoints"])]
+    if summary.get("hf_model"):
+        rows.append(("Hugging Face model", summary["hf_model"]))
+    if summary.get("metrics_csv"):
+        rows.append(("metrics", summary["metrics_csv"]))
+    for key, value in rows:
+        table.add_row(key, escape(str(value)))
+    console.print(table)
+
+
+def add_run_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Registers `train` (for --help listings; main() dispatches it), `logs` and `stop`."""
+    train = subparsers.add_parser("train", help="train a Hugging Face causal LM from one YAML config",
+                                  add_help=False, usage=TRAIN_USAGE)
+    train.add_argument("rest", nargs=argparse.REMAINDER)
+    logs = subparsers.add_parser("logs", help="print a run's log; -f follows it until the run ends")
+    logs.add_argument("run_dir", metavar="RUN_DIR")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
+    logs.set_defaults(handler=run_logs)
+    stop = subparsers.add_parser("stop", help="stop a run cleanly: it checkpoints, then exits")
+    stop.add_argument("run_dir", metavar="RUN_DIR")
+    stop.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                      help="how long to wait for the run to exit (default: %(default)s)")
+    stop.set_defaults(handler=run_stop)
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    from zerotrain.train.run_control import RunControlError, follow_log
+
+    try:
+        return follow_log(Path(args.run_dir), args.follow)
+    except RunControlError as error:
+        Console(stderr=True, soft_wrap=True).print(f"[red]zerotrain logs: {escape(str(error))}[/]")
+        return 1
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    from zerotrain.train.run_control import RunControlError, request_stop
+
+    console = Console(stderr=True, soft_wrap=True)
+    run_dir = Path(args.run_dir)
+    try:
+        with console.status(f"asked the run in {escape(str(run_dir))} to stop; waiting for its checkpoint"):
+            done = request_stop(run_dir, args.wait)
+    except RunControlError as error:
+        console.print(f"[red]zerotrain stop: {escape(str(error))}[/]")
+        return 1
+    if not done:
+        console.print(f"[yellow]zerotrain stop: the run has not exited after {args.wait:g} s; it will stop "
+                      "after its current step and checkpoint (check with zerotrain logs)[/]")
+        return 1
+    console.print(f"stopped; resume with: zerotrain train {escape(str(run_dir / 'config.yaml'))} --resume")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_train(sys.argv[1:]))

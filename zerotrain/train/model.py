@@ -1,0 +1,130 @@
+"""The trainer's model: any `AutoModelForCausalLM`, from a local directory or built from a config.
+
+Three ways to name it (the `model` section holds exactly one):
+
+- `path`: a local Hugging Face directory with config.json and weights (nothing is downloaded);
+- `config`: a local config.json (or a directory holding one): a freshly initialized model;
+- `architecture`: a named model type (`llama`, `mistral`, `gpt2`, ...) plus `config_overrides`.
+
+A model built from a config takes its vocabulary size from the tokenizer unless the
+overrides set one. `trust_remote_code` is off unless the section turns it on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotrain.config.errors import ConfigError
+
+
+def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) -> nn.Module:
+    """Builds the causal LM the `model` section names, in fp32 on the CPU.
+
+    `zero_init`: a DeepSpeed config; when given (ZeRO stage 3) a model built from a config is
+    constructed under `zerotrain.zero.Init`, so no rank ever holds it whole.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    remote = bool(section.trust_remote_code)
+    if section.path:
+        path = Path(section.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.path: {path} is not a Hugging Face model directory (no config.json there); "
+                "point it at a directory written by save_pretrained, or use model.config / model.architecture"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=remote, **_fp32()
+        )
+        _check_vocab(model.config, tokenizer, "model.path")
+        return model
+    overrides = dict(section.config_overrides or {})
+    if section.config:
+        source = Path(section.config).expanduser()
+        if not source.exists():
+            raise ConfigError(f"model.config: {source} does not exist; give a config.json or a directory holding one")
+        hf_config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=remote, **overrides)
+    else:
+        try:
+            hf_config = AutoConfig.for_model(section.architecture, **overrides)
+        except ValueError as err:
+            raise ConfigError(
+                f"model.architecture: {section.architecture!r} is not a model type transformers knows "
+                f"({err}); use a model_type such as llama, mistral, qwen2 or gpt2"
+            ) from None
+    if "vocab_size" not in overrides:
+        hf_config.vocab_size = len(tokenizer)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(tokenizer, name, None) is not None and name not in overrides:
+            setattr(hf_config, name, getattr(tokenizer, name))
+    _check_vocab(hf_config, tokenizer, "model.config_overrides.vocab_size")
+    if zero_init is not None:
+        from zerotrain.zero import Init
+
+        with Init(config=zero_init):
+            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
+    return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's position scheme takes, if its config says."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recomputes each layer's activations in backward instead of keeping them.
+
+    Non-reentrant checkpointing: it works with frozen inputs and with ZeRO-3's hooks,
+    and the KV cache is switched off, which checkpointing cannot use anyway.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"{type(model).__name__} does not support gradient checkpointing; "
+            "set training.gradient_checkpointing: false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; 4.x has only the old name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if getattr(model.config, "use_cache", None):
+        model.config.use_cache = False
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two param groups: weights decay; biases, norms and other 1-D parameters do not (as HF does)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _fp32() -> dict:
+    # The fp32 master weights are made from these; transformers renamed the argument in 4.56.
+    import transformers
+    from packaging.version import Version
+
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return {key: torch.float32}
+
+
+def _check_vocab(hf_config: Any, tokenizer: Any, key: str) -> None:
+    vocab = getattr(hf_config, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary holds {vocab}: token ids "
+            f"past {vocab - 1} would index outside the embedding; use the model's own tokenizer or raise {key}"
+        )

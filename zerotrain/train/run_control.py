@@ -1,0 +1,148 @@
+"""Running a training job in the background, watching it, and stopping it cleanly.
+
+A run directory holds what these commands share:
+
+    train.log   everything the run prints (written by the detached process)
+    train.pid   the pid of the top `zerotrain train` process while it runs
+    STOP        present when a stop was asked for; the trainer checkpoints and exits
+
+`--detach` starts the run in a new session (no controlling terminal, so closing
+the terminal or an SSH disconnect does not send it SIGHUP) with its output in
+train.log; no tmux or nohup needed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+LOG_NAME, PID_NAME, STOP_NAME = "train.log", "train.pid", "STOP"
+
+
+class RunControlError(Exception):
+    """A request about a run directory that cannot be carried out (no run there, already running)."""
+
+
+def running_pid(run_dir: Path) -> int | None:
+    """The pid of the run active in `run_dir`, or None (a stale pid file counts as none)."""
+    try:
+        pid = int((run_dir / PID_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid  # alive, owned by someone else
+    return pid
+
+
+def write_pid(run_dir: Path, pid: int | None = None) -> None:
+    """Records the run's pid (atomically: a reader never sees half a number)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{PID_NAME}.{os.getpid()}"
+    tmp.write_text(f"{pid or os.getpid()}\n")
+    os.replace(tmp, run_dir / PID_NAME)
+
+
+def clear_pid(run_dir: Path) -> None:
+    """Removes the pid file if it is this process's."""
+    path = run_dir / PID_NAME
+    try:
+        if int(path.read_text().strip()) == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def detach(run_dir: Path, train_argv: Sequence[str]) -> int:
+    """Starts `zerotrain train ARGV` in the background, output to run_dir/train.log; returns its pid."""
+    active = running_pid(run_dir)
+    if active is not None:
+        raise RunControlError(
+            f"a run is already active in {run_dir} (pid {active}); follow it with `zerotrain logs {run_dir} -f`, "
+            f"stop it with `zerotrain stop {run_dir}`, or set another output.dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / STOP_NAME).unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZEROTRAIN_DETACHED": "1"}
+    with open(run_dir / LOG_NAME, "ab") as log:
+        child = subprocess.Popen(  # an argv list, never a shell string: nothing is interpreted
+            [sys.executable, "-m", "zerotrain", "train", *train_argv],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, env=env, close_fds=True,
+        )
+    write_pid(run_dir, child.pid)
+    return child.pid
+
+
+def follow_log(run_dir: Path, follow: bool, out=None, poll_s: float = 0.5) -> int:
+    """Prints run_dir/train.log; with `follow`, keeps printing until the run ends (or Ctrl-C)."""
+    out = out or sys.stdout
+    path = run_dir / LOG_NAME
+    if not path.exists():
+        raise RunControlError(f"no log at {path}: logs are written by runs started with `zerotrain train --detach`")
+    with open(path, "r", errors="replace") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                out.write(chunk)
+                out.flush()
+            if not follow:
+                return 0
+            if running_pid(run_dir) is None:
+                out.write(f.read())  # what was written between the last read and the exit
+                return 0
+            try:
+                time.sleep(poll_s)
+            except KeyboardInterrupt:
+                return 0
+
+
+def request_stop(run_dir: Path, wait_s: float = 600.0, on_wait=None) -> bool:
+    """Asks the run in `run_dir` to checkpoint and exit; returns True once it has exited.
+
+    The trainer polls for the STOP file every step, so the stop lands after the step in
+    progress and one checkpoint save. `on_wait(elapsed_s)` is called while waiting.
+    """
+    pid = running_pid(run_dir)
+    if pid is None:
+        raise RunControlError(f"no run is active in {run_dir} (no live process in {run_dir / PID_NAME})")
+    (run_dir / STOP_NAME).write_text(f"stop requested at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    start = time.monotonic()
+    while running_pid(run_dir) == pid:
+        elapsed = time.monotonic() - start
+        if elapsed > wait_s:
+            return False
+        if on_wait is not None:
+            on_wait(elapsed)
+        time.sleep(0.5)
+    return True
+
+
+class StopSignal:
+    """Turns SIGTERM (e.g. Slurm's pre-emption notice) and the STOP file into one stop request."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.stop_file = run_dir / STOP_NAME
+        self.signalled = False
+        try:
+            signal.signal(signal.SIGTERM, self._on_signal)
+        except ValueError:
+            pass  # not the main thread (e.g. under a test runner): the STOP file still works
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+
+    def requested_here(self) -> bool:
+        return self.signalled or self.stop_file.exists()
+
+    def consume(self) -> None:
+        """Forgets a handled request, so the next run in this directory does not stop at once."""
+        self.stop_file.unlink(missing_ok=True)

@@ -1,0 +1,323 @@
+"""The training job behind `zerotrain train`: one loop, readable top to bottom.
+
+    set up   tokenizer → model → data → engine config ("auto" filled) → engine
+    resume   newest checkpoint in the run directory: weights, optimizer, RNG, data position
+    loop     per step: micro-batches (forward, backward, step) → metrics every logging.interval
+             → evaluation every eval_interval → checkpoint every save_interval → stop request?
+    finish   final checkpoint, Hugging Face model directory, summary
+
+Every rank runs this; rank 0 alone prints and writes files other than checkpoint shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerotrain
+from zerotrain.distributed import device_for, init_distributed
+from zerotrain.train.metrics import MetricsLog, gather_memory, peak_tflops
+from zerotrain.train.model import build_model, decay_groups, enable_gradient_checkpointing, max_positions
+from zerotrain.train.progress import TrainingProgress
+from zerotrain.train.run_control import StopSignal
+
+log = logging.getLogger("zerotrain")
+CHECKPOINTS = "checkpoints"
+HF_DIR = "hf"
+
+
+@dataclass
+class RunState:
+    """What a checkpoint carries besides the engine's state, so a resumed run continues exactly."""
+
+    step: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0  # training wall time before this process started
+    data: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """Trains the model a TrainConfig describes; `run()` returns the summary."""
+
+    def __init__(self, cfg: Any, resume: str = "never") -> None:
+        from zerotrain.train.data import build_data, load_tokenizer
+        from zerotrain.train.zero_fill import build_engine_config
+
+        self.cfg = cfg
+        launch = init_distributed()
+        self.rank, self.world = launch.rank, launch.world_size
+        self.device = device_for(launch.local_rank)
+        self.run_dir = Path(cfg.output.dir)
+        self.console = TrainingProgress.console()
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.write(self.run_dir)
+        self.stop = StopSignal(self.run_dir)
+        torch.manual_seed(cfg.training.seed)
+
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.path)
+        zero_stage = int(((cfg.zero_dict() or {}).get("zero_optimization") or {}).get("stage", 0))
+        self.model = build_model(cfg.model, self.tokenizer, zero_init=cfg.zero_dict() if zero_stage == 3 else None)
+        if cfg.training.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        self.data = build_data(
+            cfg.data, self.tokenizer, max_positions=max_positions(self.model), rank=self.rank, world_size=self.world
+        )
+        t = cfg.training
+        self.batches = self.data.train_batches(t.micro_batch_size, seed=cfg.data.seed)
+        micro_per_epoch = len(self.batches)
+        steps_per_epoch = max(1, micro_per_epoch // t.gradient_accumulation_steps)
+        self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * steps_per_epoch))
+        engine_cfg, notes = build_engine_config(
+            cfg, model=self.model, world_size=self.world, device_type=self.device.type, total_steps=self.total_steps
+        )
+        self.engine, *_ = zerotrain.initialize(
+            model=self.model, model_parameters=decay_groups(self.model, t.weight_decay), config=engine_cfg
+        )
+        if self.rank == 0:
+            for note in notes:
+                log.warning(note)
+        self.tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * self.world * cfg.data.seq_len
+        self.state = RunState()
+        if resume != "never":
+            self._resume(resume)
+        self.metrics = MetricsLog(
+            cfg.logging, self.run_dir, rank=self.rank, world_size=self.world,
+            resume_step=self.state.step, run_config=cfg.as_dict(),
+        )
+        self.peak = peak_tflops(self.device, self.engine.compute_dtype)
+        self.flops_per_step: float | None = None  # this rank's, counted on the first micro-batch
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        t = self.cfg.training
+        engine = self.engine
+        engine.train()
+        start = time.perf_counter()
+        first_step = self.state.step
+        window = _Window(self.state.step, start)
+        last_loss = math.nan
+        last_eval: dict = {}
+        stopped = False
+        progress = TrainingProgress(self.rank == 0, self.cfg.logging.progress_bar, self.total_steps, first_step)
+        with progress:
+            while self.state.step < self.total_steps:
+                step_loss = self._train_step(count_flops=self.flops_per_step is None)
+                self.state.step += 1
+                self.state.tokens += self.tokens_per_step
+                window.add(step_loss)
+                step = self.state.step
+                if step % self.cfg.logging.interval == 0 or step == self.total_steps:
+                    last_loss = self._log_train(window, start, progress)
+                    window = _Window(step, time.perf_counter())
+                if t.eval_interval and (step % t.eval_interval == 0 or step == self.total_steps):
+                    last_eval = self._evaluate(start)
+                    progress.note(f"step {step}: eval loss {last_eval['eval_loss']:.4f}, ppl {last_eval['eval_ppl']:.2f}")
+                stopped = self._stop_requested()
+                if stopped or (t.save_interval and step % t.save_interval == 0):
+                    self._save(start)
+                if stopped:
+                    break
+                progress.advance(step, last_loss, self._lr(), window.tokens_per_s(self.tokens_per_step))
+        if not stopped and not self._saved_at(self.state.step):
+            self._save(start)
+        hf_dir = None
+        if not stopped and self.cfg.output.export_hf:
+            hf_dir = self._export_hf()
+        elapsed = time.perf_counter() - start
+        summary = {
+            "status": "stopped" if stopped else "finished",
+            "steps": self.state.step,
+            "steps_this_run": self.state.step - first_step,
+            "tokens": self.state.tokens,
+            "wall_time_s": round(self.state.train_seconds + elapsed, 2),
+            "mean_tokens_per_s": round((self.state.step - first_step) * self.tokens_per_step / max(elapsed, 1e-9), 1),
+            "final_loss": last_loss,
+            **last_eval,
+            "run_dir": str(self.run_dir),
+            "checkpoints": str(self.run_dir / CHECKPOINTS),
+            "hf_model": str(hf_dir) if hf_dir else None,
+            "metrics_csv": str(self.run_dir / "metrics.csv") if self.cfg.logging.csv else None,
+        }
+        if self.rank == 0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            if stopped:
+                self.stop.consume()
+        self.metrics.close()
+        return summary
+
+    def _train_step(self, count_flops: bool) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps micro-batches; returns the mean loss."""
+        engine = self.engine
+        total = torch.zeros((), device=self.device)
+        for micro in range(engine.gradient_accumulation_steps()):
+            batch = next(self.batches)
+            input_ids = batch["input_ids"].to(self.device, non_blocking=True)
+            labels = batch["labels"].to(self.device, non_blocking=True)
+            if count_flops and micro == 0:
+                from torch.utils.flop_counter import FlopCounterMode
+
+                with FlopCounterMode(display=False) as counter:
+                    loss = engine(input_ids=input_ids, labels=labels).loss
+                    engine.backward(loss)
+                self.flops_per_step = float(counter.get_total_flops()) * engine.gradient_accumulation_steps()
+            else:
+                loss = engine(input_ids=input_ids, labels=labels).loss
+                engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        return total / engine.gradient_accumulation_steps()
+
+    def _log_train(self, window: "_Window", start: float, progress: "TrainingProgress") -> float:
+        loss = window.mean_loss(self.world)  # a collective: every rank
+        memory = gather_memory(self.device)
+        seconds = max(time.perf_counter() - window.started, 1e-9)
+        steps = self.state.step - window.first_step
+        step_s = seconds / max(steps, 1)
+        tflops = self.flops_per_step / step_s / 1e12 if self.flops_per_step else math.nan
+        scaler = self.engine.loss_scaler
+        row = {
+            "step": self.state.step,
+            "epoch": round(self.batches.epoch_progress(), 4),
+            "loss": loss,
+            "lr": self._lr(),
+            "grad_norm": _num(self.engine.get_global_grad_norm()),
+            "loss_scale": scaler.loss_scale if scaler is not None else math.nan,
+            "skipped_steps": self.engine.skipped_steps,
+            "samples_per_s": steps * self.engine.train_batch_size() / seconds,
+            "tokens_per_s": steps * self.tokens_per_step / seconds,
+            "tflops": tflops,
+            "mfu": tflops / self.peak if self.peak else math.nan,
+            "elapsed_s": self.state.train_seconds + time.perf_counter() - start,
+        }
+        for r, (alloc, peak) in enumerate(memory):
+            row[f"mem_alloc_gb_r{r}"], row[f"mem_peak_gb_r{r}"] = alloc, peak
+        self.metrics.log_train(row)
+        progress.note(_describe(row, memory, fp16=scaler is not None))
+        return loss
+
+    # --- evaluation ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _evaluate(self, start: float) -> dict:
+        """Token-weighted loss and perplexity over the held-out split, across every rank."""
+        if self.data.eval is None:
+            return {}
+        engine = self.engine
+        engine.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.data.eval_batches(self.cfg.training.micro_batch_size, self.cfg.training.eval_batches):
+            input_ids = batch["input_ids"].to(self.device)
+            labels = batch["labels"].to(self.device)
+            loss = engine(input_ids=input_ids, labels=labels).loss
+            tokens = (labels[:, 1:] != -100).sum()  # the model shifts labels by one
+            totals += torch.stack([loss.double() * tokens, tokens.double()])
+        engine.train()
+        if self.world > 1:
+            dist.all_reduce(totals)
+        eval_loss = float(totals[0] / totals[1].clamp(min=1))
+        row = {"step": self.state.step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),
+               "elapsed_s": self.state.train_seconds + time.perf_counter() - start}
+        self.metrics.log_eval(row)
+        return {"eval_loss": row["eval_loss"], "eval_ppl": row["eval_ppl"]}
+
+    # --- checkpoints, stop, export ------------------------------------------------------------
+
+    def _save(self, start: float) -> None:
+        state = RunState(self.state.step, self.state.tokens,
+                         self.state.train_seconds + time.perf_counter() - start, self.batches.state_dict())
+        self.engine.save_checkpoint(self.run_dir / CHECKPOINTS, tag=f"step{state.step}",
+                                    client_state={"run_state": state.__dict__})
+        self._last_save = state.step
+        keep = self.cfg.output.keep_checkpoints
+        if self.rank == 0 and keep:
+            tags = sorted((p for p in (self.run_dir / CHECKPOINTS).glob("step*") if p.is_dir()),
+                          key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else -1)
+            for old in tags[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _saved_at(self, step: int) -> bool:
+        return getattr(self, "_last_save", None) == step
+
+    def _resume(self, resume: str) -> None:
+        load_dir = self.run_dir / CHECKPOINTS if resume == "auto" else Path(resume)
+        if resume == "auto" and not (load_dir / "latest").exists():
+            if self.rank == 0:
+                log.info("no checkpoint in %s: starting from step 0", load_dir)
+            return
+        path, client = self.engine.load_checkpoint(load_dir)
+        saved = (client or {}).get("run_state") or {}
+        self.state = RunState(**saved)
+        self.batches.load_state_dict(self.state.data)
+        self._last_save = self.state.step
+        if self.rank == 0:
+            log.info("resumed from %s at step %d", path, self.state.step)
+
+    def _stop_requested(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop.requested_here() else 0.0], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _export_hf(self) -> Path | None:
+        out = self.run_dir / HF_DIR
+        if self.rank == 0:
+            from zerotrain.checkpoint.hf_export import export_hf
+
+            export_hf(self.run_dir / CHECKPOINTS, out)
+            self.tokenizer.save_pretrained(out)
+        if self.world > 1:
+            dist.barrier()
+        return out
+
+    def _lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+
+class _Window:
+    """Losses of the steps since the last metrics line."""
+
+    def __init__(self, first_step: int, started: float) -> None:
+        self.first_step, self.started = first_step, started
+        self.losses: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss)
+
+    def mean_loss(self, world: int) -> float:
+        mean = torch.stack(self.losses).mean() if self.losses else torch.zeros(())
+        if world > 1:
+            dist.all_reduce(mean)
+            mean = mean / world
+        return float(mean)
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        seconds = time.perf_counter() - self.started
+        return len(self.losses) * tokens_per_step / seconds if seconds > 0 else math.nan
+
+
+def _num(value: Any) -> float:
+    return float(value) if value is not None else math.nan
+
+
+def _describe(row: dict, memory: list, fp16: bool) -> str:
+    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3g}",
+             f"grad norm {row['grad_norm']:.3g}", f"{row['tokens_per_s']:,.0f} tok/s",
+             f"{row['samples_per_s']:.1f} samples/s"]
+    if fp16:
+        parts.append(f"scale {row['loss_scale']:g} skipped {row['skipped_steps']}")
+    if not math.isnan(row["tflops"]):
+        parts.append(f"{row['tflops']:.2f} TFLOP/s" + (f" MFU {row['mfu']:.1%}" if not math.isnan(row["mfu"]) else ""))
+    mem = " ".join(f"r{r} {a:.2f}/{p:.2f}" for r, (a, p) in enumerate(memory))
+    parts.append(f"mem GiB (now/peak) {mem}")
+    return " | ".join(parts)

@@ -1,0 +1,26 @@
+"""One rank of a `zerotrain train` job started on this machine: `python -m zerotrain.train.worker CONFIG --resume MODE`.
+
+`zerotrain train` validates the config, writes the merged result to the run directory
+and starts N of these; each reads that file, so every rank trains on the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerotrain.train.worker")
+    parser.add_argument("config", help="the merged config.yaml written by zerotrain train")
+    parser.add_argument("--resume", default="never", help='"auto", "never" or a checkpoint directory')
+    args = parser.parse_args(argv)
+
+    from zerotrain.train.command import _run_here
+    from zerotrain.train.config import load_train_config
+
+    return _run_here(load_train_config(args.config), args.resume)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
