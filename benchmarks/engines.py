@@ -16,7 +16,16 @@ import torch.distributed as dist
 
 from workload import ds_config, optimizer_kwargs
 
-ENGINES = ["ddp", "zerotrain-0", "deepspeed-0", "zerotrain-1", "deepspeed-1", "zerotrain-2", "deepspeed-2", "fsdp2"]
+# Names are "<family>[-<stage>][-offload][-cpuadam]":
+#   -offload  zero_optimization.offload_optimizer {device: cpu}, and at stage 3 also offload_param {device: cpu}
+#   -cpuadam  DeepSpeed only: its own DeepSpeedCPUAdam (a JIT-built C++ op) instead of torch.optim.AdamW,
+#             i.e. what a DeepSpeed user gets by default with offload; a reference, not the like-for-like column
+ENGINES = [
+    "ddp", "zerotrain-0", "deepspeed-0", "zerotrain-1", "deepspeed-1", "zerotrain-2", "deepspeed-2", "fsdp2",
+    "zerotrain-3", "deepspeed-3",
+    "zerotrain-2-offload", "deepspeed-2-offload", "deepspeed-2-offload-cpuadam",
+    "zerotrain-3-offload", "deepspeed-3-offload", "deepspeed-3-offload-cpuadam",
+]
 
 
 @dataclass
@@ -29,10 +38,21 @@ class Trainer:
     memory_breakdown: Callable[[], dict] | None = None
 
 
-def split(name: str) -> tuple[str, int | None]:
-    """'zerotrain-2' -> ('zerotrain', 2); 'ddp' -> ('ddp', None)."""
-    family, _, stage = name.partition("-")
-    return family, int(stage) if stage else None
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine name asks for: 'deepspeed-3-offload' -> family deepspeed, stage 3, offload on."""
+
+    family: str
+    stage: int | None = None
+    offload: bool = False
+    cpu_adam: bool = False
+
+
+def parse(name: str) -> EngineSpec:
+    """The spec an engine name in ENGINES stands for (see the naming comment above ENGINES)."""
+    family, *rest = name.split("-")
+    stage = int(rest.pop(0)) if rest and rest[0].isdigit() else None
+    return EngineSpec(family, stage, offload="offload" in rest, cpu_adam="cpuadam" in rest)
 
 
 def _device() -> torch.device:
@@ -55,35 +75,41 @@ def _autocast(args, device: torch.device):
 
 
 def build(name: str, model: torch.nn.Module, args) -> Trainer:
-    family, stage = split(name)
-    return {"zerotrain": _zerotrain, "deepspeed": _deepspeed, "ddp": _ddp, "fsdp2": _fsdp2}[family](
-        model, args, stage
+    spec = parse(name)
+    return {"zerotrain": _zerotrain, "deepspeed": _deepspeed, "ddp": _ddp, "fsdp2": _fsdp2}[spec.family](
+        model, args, spec
     )
 
 
-def _zerotrain(model, args, stage) -> Trainer:
+def _config(args, spec: EngineSpec) -> dict:
+    return ds_config(args, spec.stage, offload=spec.offload, cpu_adam=spec.cpu_adam)
+
+
+def _zerotrain(model, args, spec) -> Trainer:
     import zerotrain
 
-    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args, stage))
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=_config(args, spec))
     return Trainer(
         forward=lambda x: engine(input_ids=x, labels=x).loss,
         backward=engine.backward,
         step=engine.step,
         device=engine.device,
         info={"version": zerotrain.__version__, "backend": dist.get_backend(),
-              "optimizer": type(engine.optimizer.optimizer).__name__},
+              "optimizer": type(engine.optimizer.optimizer).__name__,
+              "offload": _offload_devices(engine.config.zero_optimization.offload_optimizer,
+                                          engine.config.zero_optimization.offload_param)},
         memory_breakdown=engine.memory_breakdown,
     )
 
 
-def _deepspeed(model, args, stage) -> Trainer:
+def _deepspeed(model, args, spec) -> Trainer:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     # deepspeed.initialize sets up the process group with its accelerator's backend
     # (on CPU: ccl when oneccl_bindings_for_pytorch is installed, else gloo).
     engine, optimizer, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(args, stage)
+        model=model, model_parameters=model.parameters(), config=_config(args, spec)
     )
     inner = getattr(optimizer, "optimizer", optimizer)
     return Trainer(
@@ -93,11 +119,21 @@ def _deepspeed(model, args, stage) -> Trainer:
         device=engine.device,
         info={"version": deepspeed.__version__, "backend": dist.get_backend(),
               "accelerator": get_accelerator().device_name(),
-              "optimizer": f"{type(optimizer).__name__}({type(inner).__name__})"},
+              "optimizer": f"{type(optimizer).__name__}({type(inner).__name__})",
+              "offload": _offload_devices(engine.zero_offload_optimizer(), engine.zero_offload_param())},
     )
 
 
-def _ddp(model, args, stage) -> Trainer:
+def _offload_devices(optimizer_section, param_section) -> str | None:
+    """'optimizer cpu, param cpu' as the engine parsed its config (None: no offload), so the report shows
+    each engine really took the offload path (DeepSpeed says nothing about it at its default log level)."""
+    parts = [f"{what} {str(getattr(sec, 'device', 'none')).split('.')[-1]}"
+             for what, sec in (("optimizer", optimizer_section), ("param", param_section)) if sec is not None]
+    parts = [p for p in parts if not p.endswith(" none")]
+    return ", ".join(parts) or None
+
+
+def _ddp(model, args, spec) -> Trainer:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device = _device()
@@ -128,14 +164,17 @@ def _fully_shard():
     return fully_shard, MixedPrecisionPolicy
 
 
-def _fsdp2(model, args, stage) -> Trainer:
+def _fsdp2(model, args, spec) -> Trainer:
     from torch.distributed.device_mesh import init_device_mesh
 
     fully_shard, MixedPrecisionPolicy = _fully_shard()
     device = _device()
     _init_torch_dist(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kw = {"mesh": mesh}
+    # Full sharding, like ZeRO-3: every unit, the root included, frees its gathered parameters after
+    # forward and gathers them again in backward. Left unset, torch keeps the root (embedding, final
+    # norm, lm_head: 40% of this model) unsharded from forward to backward.
+    kw = {"mesh": mesh, "reshard_after_forward": True}
     if args.dtype == "bf16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model.to(device)

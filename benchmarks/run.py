@@ -237,6 +237,10 @@ def main(argv=None) -> None:
         notes.append(f"DeepSpeed's communication backend here: {meta['deepspeed_backend']} "
                      f"(DS_ACCELERATOR={machine['env'].get('DS_ACCELERATOR', 'auto')}); optimizer "
                      + ", ".join(f"{n}: {r['info']['optimizer']}" for n, r in results.items() if r.get("ok")))
+    offloads = {n: r["info"]["offload"] for n, r in results.items() if r.get("ok") and r["info"].get("offload")}
+    if offloads:
+        notes.append("offload as each engine parsed its config: "
+                     + ", ".join(f"{n}: {o}" for n, o in offloads.items()))
     busy = {n: r["foreign_load_cores"] for n, r in results.items() if r.get("foreign_load_cores", 0) > BUSY_CORES}
     if busy:
         notes.append("other processes were using CPU during " + ", ".join(f"{n} ({v:.2f} cores)" for n, v in busy.items())

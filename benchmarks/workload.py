@@ -73,30 +73,40 @@ def optimizer_kwargs(args) -> dict:
     return {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": args.weight_decay, "foreach": True}
 
 
-def ds_config(args, stage: int) -> dict:
+def ds_config(args, stage: int, offload: bool = False, cpu_adam: bool = False) -> dict:
     """The DeepSpeed-format config, used verbatim by zerotrain and by DeepSpeed.
 
     `torch_adam` makes DeepSpeed build torch.optim.AdamW (no compiled ops), the
-    optimizer zerotrain builds for "AdamW" and the baselines use.
+    optimizer zerotrain builds for "AdamW" and the baselines use. It does so with
+    offload too: DeepSpeed's "ZeRO-Offload needs DeepSpeedCPUAdam" check
+    (`zero_force_ds_cpu_optimizer`) applies only to optimizers passed to
+    `initialize`, not to one its config builds, so both engines step the same
+    torch.optim.AdamW over their CPU shards.
+
+    offload: `offload_optimizer {device: cpu}` (master weights and optimizer state on
+    the CPU, stages 1-3), plus `offload_param {device: cpu}` at stage 3.
+    cpu_adam: leave out `torch_adam`, so DeepSpeed with offload builds its
+    DeepSpeedCPUAdam (AdamW maths in a JIT-built C++/OpenMP op): DeepSpeed's
+    default offload path, run as a reference column.
     """
     opt = optimizer_kwargs(args)
+    params = {
+        "lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"], "weight_decay": opt["weight_decay"],
+        "adam_w_mode": True,
+    }
+    if not cpu_adam:  # DeepSpeedCPUAdam takes no `foreach`
+        params.update(foreach=opt["foreach"], torch_adam=True)
+    zero = {"stage": stage, "reduce_bucket_size": args.bucket_numel, "allgather_bucket_size": args.bucket_numel}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
     cfg = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": args.clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"],
-                "weight_decay": opt["weight_decay"], "foreach": opt["foreach"],
-                "torch_adam": True, "adam_w_mode": True,
-            },
-        },
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": args.bucket_numel,
-            "allgather_bucket_size": args.bucket_numel,
-        },
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_optimization": zero,
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }

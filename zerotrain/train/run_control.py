@@ -40,7 +40,17 @@ def running_pid(run_dir: Path) -> int | None:
         return None
     except PermissionError:
         return pid  # alive, owned by someone else
-    return pid
+    return None if _is_zombie(pid) else pid
+
+
+def _is_zombie(pid: int) -> bool:
+    # A detached run's parent exits at once, so nobody may reap it: its exited process can
+    # linger as a zombie, which kill(pid, 0) still finds.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def write_pid(run_dir: Path, pid: int | None = None) -> None:

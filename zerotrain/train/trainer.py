@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,8 @@ from zerotrain.train.progress import TrainingProgress
 from zerotrain.train.run_control import StopSignal
 
 log = logging.getLogger("zerotrain")
+# Tests simulate a crash (every rank SIGKILLed right after this step) to check resumption.
+CRASH_ENV = "ZEROTRAIN_TEST_CRASH_AFTER_STEP"
 CHECKPOINTS = "checkpoints"
 HF_DIR = "hf"
 
@@ -64,7 +68,7 @@ class Trainer:
         self.stop = StopSignal(self.run_dir)
         torch.manual_seed(cfg.training.seed)
 
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         zero_stage = int(((cfg.zero_dict() or {}).get("zero_optimization") or {}).get("stage", 0))
         self.model = build_model(cfg.model, self.tokenizer, zero_init=cfg.zero_dict() if zero_stage == 3 else None)
         if cfg.training.gradient_checkpointing:
@@ -110,6 +114,11 @@ class Trainer:
         last_eval: dict = {}
         stopped = False
         progress = TrainingProgress(self.rank == 0, self.cfg.logging.progress_bar, self.total_steps, first_step)
+        tokens_per_s = math.nan
+        if t.eval_interval and first_step == 0:
+            last_eval = self._evaluate(start)  # the baseline the later evaluations improve on
+            if last_eval:
+                progress.note(f"step 0: eval loss {last_eval['eval_loss']:.4f}, ppl {last_eval['eval_ppl']:.2f}")
         with progress:
             while self.state.step < self.total_steps:
                 step_loss = self._train_step(count_flops=self.flops_per_step is None)
@@ -118,17 +127,21 @@ class Trainer:
                 window.add(step_loss)
                 step = self.state.step
                 if step % self.cfg.logging.interval == 0 or step == self.total_steps:
+                    tokens_per_s = window.tokens_per_s(self.tokens_per_step)
                     last_loss = self._log_train(window, start, progress)
                     window = _Window(step, time.perf_counter())
                 if t.eval_interval and (step % t.eval_interval == 0 or step == self.total_steps):
-                    last_eval = self._evaluate(start)
-                    progress.note(f"step {step}: eval loss {last_eval['eval_loss']:.4f}, ppl {last_eval['eval_ppl']:.2f}")
+                    last_eval = self._evaluate(start) or last_eval
+                    if last_eval:
+                            progress.note(f"step {step}: eval loss {last_eval['eval_loss']:.4f}, ppl {last_eval['eval_ppl']:.2f}")
                 stopped = self._stop_requested()
                 if stopped or (t.save_interval and step % t.save_interval == 0):
                     self._save(start)
                 if stopped:
                     break
-                progress.advance(step, last_loss, self._lr(), window.tokens_per_s(self.tokens_per_step))
+                if os.environ.get(CRASH_ENV) == str(step):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                progress.advance(step, last_loss, self._lr(), tokens_per_s)
         if not stopped and not self._saved_at(self.state.step):
             self._save(start)
         hf_dir = None
@@ -188,7 +201,7 @@ class Trainer:
         scaler = self.engine.loss_scaler
         row = {
             "step": self.state.step,
-            "epoch": round(self.batches.epoch_progress(), 4),
+            "epoch": round(self.batches.epoch + self.batches.batch_in_epoch / len(self.batches), 4),
             "loss": loss,
             "lr": self._lr(),
             "grad_norm": _num(self.engine.get_global_grad_norm()),
@@ -211,12 +224,13 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self, start: float) -> dict:
         """Token-weighted loss and perplexity over the held-out split, across every rank."""
-        if self.data.eval is None:
+        batches = self.data.eval_batches(self.cfg.training.micro_batch_size, self.cfg.training.eval_batches)
+        if batches is None:
             return {}
         engine = self.engine
         engine.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.data.eval_batches(self.cfg.training.micro_batch_size, self.cfg.training.eval_batches):
+        for batch in batches:
             input_ids = batch["input_ids"].to(self.device)
             labels = batch["labels"].to(self.device)
             loss = engine(input_ids=input_ids, labels=labels).loss

@@ -1,0 +1,108 @@
+"""`zerotrain train` end to end: the embedded default, resume after a crash, metrics files, detach/stop."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ZEROTRAIN = [sys.executable, "-m", "zerotrain"]
+# A short job on the default model and data: 12 steps, a checkpoint every 4, a metrics row every step.
+SHORT = [
+    "--training.max_steps", "12", "--training.save_interval", "4", "--training.eval_interval", "6",
+    "--training.micro_batch_size", "4", "--logging.interval", "1", "--data.synthetic.num_examples", "2000",
+]
+
+
+def _train(tmp_path: Path, run: str, *args: str, env: dict | None = None, check: bool = True):
+    cmd = [*ZEROTRAIN, "train", "--output.dir", str(tmp_path / run), "--data.cache_dir", str(tmp_path / "cache"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # exited but not reaped: a zombie
+    except FileNotFoundError:
+        return False
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.timeout(400)
+def test_embedded_default_trains_to_the_end_and_writes_a_loadable_model(tmp_path):
+    _train(tmp_path, "demo")  # exactly `make demo`'s job, in a temporary directory
+    run = tmp_path / "demo"
+    rows = _rows(run / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == list(range(10, 201, 10))
+    first, last = float(rows[0]["loss"]), float(rows[-1]["loss"])
+    assert last < 0.5 * first, (first, last)  # stated margin: the loss at least halves
+    evals = _rows(run / "eval.csv")
+    assert int(evals[0]["step"]) == 0 and int(evals[-1]["step"]) == 200
+    assert float(evals[-1]["eval_loss"]) < 0.5 * float(evals[0]["eval_loss"])
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step200"
+    assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(run / "hf")
+    ids = tokenizer("12+7=", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
+
+
+@pytest.mark.timeout(600)
+def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(tmp_path):
+    _train(tmp_path, "whole", *SHORT, "--logging.tensorboard.enabled", "true")
+    crashed = _train(tmp_path, "resumed", *SHORT, env={"ZEROTRAIN_TEST_CRASH_AFTER_STEP": "10"}, check=False)
+    assert crashed.returncode != 0
+    run = tmp_path / "resumed"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step8"
+    _train(tmp_path, "resumed", *SHORT, "--resume")
+
+    whole, resumed = _rows(tmp_path / "whole" / "metrics.csv"), _rows(run / "metrics.csv")
+    assert [int(r["step"]) for r in resumed] == list(range(1, 13))  # rows 9-10 of the crashed run replaced
+    for a, b in zip(whole, resumed):
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-6, abs=1e-7), a["step"]
+    fields = ["step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "tflops",
+              "mem_alloc_gb_r0", "mem_peak_gb_r0", "mem_alloc_gb_r1", "mem_peak_gb_r1"]
+    assert all(r[f] != "" for r in whole for f in fields)
+    assert list((tmp_path / "whole" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.timeout(300)
+def test_detached_run_is_followed_and_stopped_cleanly_after_a_checkpoint(tmp_path):
+    run = tmp_path / "bg"
+    args = ["--training.max_steps", "100000", "--training.save_interval", "0", "--training.eval_interval", "0",
+            "--training.micro_batch_size", "4", "--data.synthetic.num_examples", "2000"]
+    started = _train(tmp_path, "bg", *args, "--detach")
+    assert "zerotrain logs" in started.stdout
+    pid = int((run / "train.pid").read_text())
+    deadline = time.time() + 180
+    while "step 10 " not in (run / "train.log").read_text() + " ":
+        assert time.time() < deadline, (run / "train.log").read_text()[-2000:]
+        time.sleep(1)
+    stop = subprocess.run([*ZEROTRAIN, "stop", str(run)], capture_output=True, text=True, timeout=200)
+    assert stop.returncode == 0, stop.stderr
+    from zerotrain.train.run_control import running_pid
+
+    assert running_pid(run) is None and not _alive(pid)
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest.startswith("step") and int(latest[4:]) >= 10
+    logs = subprocess.run([*ZEROTRAIN, "logs", str(run)], capture_output=True, text=True, timeout=60)
+    assert "stopped" in logs.stdout and not (run / "STOP").exists()

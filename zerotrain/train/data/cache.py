@@ -1,0 +1,134 @@
+"""Tokenize once, reuse forever: a content-keyed on-disk cache of ``TokenizedCorpus``es.
+
+The key hashes everything the token ids depend on: the input files (paths,
+sizes, modification times) or the synthetic task's parameters, the format,
+the field names, and the tokenizer's identity (``tokenizer_fingerprint``).
+``seq_len``, the seed and the eval split are *not* in the key: packing and
+splitting happen after loading, so changing them reuses the cache.
+
+Entries are directories ``<cache root>/<key>/`` written under a temporary name
+and renamed into place, so a reader sees a complete entry or none, and
+processes racing to build the same entry cannot corrupt it (the loser discards
+its copy).  In a distributed job rank 0 builds while the others wait at a
+barrier; a rank that still finds no entry afterwards (a cache directory that
+is not shared between nodes) builds its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from zerotrain.train.data.corpus import TokenizedCorpus, tokenize_documents
+from zerotrain.train.data.records import Document
+from zerotrain.train.data.tokenizer import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+# Bump when the stored layout or the tokenization rules change: old entries then miss.
+CACHE_VERSION = 1
+
+# Inputs smaller than this tokenize in about a second: no progress bar needed.
+PROGRESS_MIN_BYTES = 8 << 20
+
+Reader = Callable[[Callable[[int], None] | None], Iterable[Document]]
+
+
+def default_cache_root() -> Path:
+    """``$ZEROTRAIN_CACHE/data`` if that variable is set, else ``~/.cache/zerotrain/data``."""
+    root = os.environ.get("ZEROTRAIN_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "zerotrain") / "data"
+
+
+def cache_key(identity: dict[str, Any], tokenizer: Any) -> tuple[str, dict[str, Any]]:
+    """(key, what it was computed from) for data ``identity`` tokenized by ``tokenizer``.
+
+    The tokenizer's ``name_or_path`` is kept for people reading ``meta.json`` but
+    left out of the hash: the same tokenizer loaded from another directory (a
+    checkpoint's copy, say) gives the same ids, and its definition hash already
+    changes whenever the vocabulary, merges or specials do.
+    """
+    tok = tokenizer_fingerprint(tokenizer)
+    tok_identity = {k: v for k, v in tok.items() if k != "name_or_path"}
+    hashed = {"version": CACHE_VERSION, "data": identity, "tokenizer": tok_identity}
+    key = hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return key, {**hashed, "tokenizer": tok}
+
+
+def cached_corpus(identity: dict[str, Any], read: Reader, tokenizer: Any, *, cache_root: Path,
+                  total_bytes: int = 0, rank: int = 0, world_size: int = 1) -> TokenizedCorpus:
+    """The corpus for ``identity``, from the cache or built by tokenizing ``read(progress)``.
+
+    ``read`` is called with a progress callback (bytes of input consumed, or None)
+    and yields the documents.  When ``torch.distributed`` is initialized with more
+    than one rank, rank 0 builds and the others wait for it at a barrier.
+    """
+    key, meta = cache_key(identity, tokenizer)
+    entry = Path(cache_root).expanduser() / key
+    if _distributed(world_size):
+        import torch.distributed as dist
+
+        try:
+            if rank == 0 and not entry.is_dir():
+                _build(entry, meta, read, tokenizer, total_bytes, show_progress=True)
+        finally:
+            # Reached even when rank 0 fails (e.g. a DataError), so the others do
+            # not hang: they find no entry and fail on the same data themselves.
+            dist.barrier()
+    if not entry.is_dir():
+        _build(entry, meta, read, tokenizer, total_bytes, show_progress=rank == 0)
+    return TokenizedCorpus.load(entry)
+
+
+def _distributed(world_size: int) -> bool:
+    if world_size <= 1:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _build(entry: Path, meta: dict[str, Any], read: Reader, tokenizer: Any, total_bytes: int,
+           show_progress: bool) -> None:
+    """Tokenizes and writes ``entry`` atomically (temporary directory, then rename)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with _progress(total_bytes if show_progress else 0) as advance:
+        corpus = tokenize_documents(read(advance), tokenizer)
+    temp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temp.mkdir()
+    try:
+        corpus.save(temp, {**meta, "num_documents": corpus.num_documents, "num_tokens": corpus.num_tokens})
+        os.rename(temp, entry)
+    except OSError:
+        if not entry.is_dir():
+            raise
+        # Another process renamed its identical copy into place first: keep that one.
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    log.info("tokenized %d documents (%d tokens) in %.1fs into %s", corpus.num_documents, corpus.num_tokens,
+             time.perf_counter() - started, entry)
+
+
+@contextmanager
+def _progress(total_bytes: int):
+    """A rich progress bar over input bytes, on stderr, for inputs worth waiting for; else no-op."""
+    if total_bytes < PROGRESS_MIN_BYTES:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("tokenizing data"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("tokenize", total=total_bytes)
+        yield lambda n: bar.advance(task, n)
