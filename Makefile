@@ -20,8 +20,9 @@ $(VENV)/.installed: $(VENV)/.torch-$(firstword $(TORCH)) pyproject.toml
 
 install: $(VENV)/.installed
 
+# The embedded default job: a small Llama learning generated arithmetic on 2 processes.
 demo: install
-	$(VENV)/bin/zerotrain launch --nproc_per_node 2 examples/train_llama.py
+	$(VENV)/bin/zerotrain train
 
 test: install
 	$(PY) -m pytest -q

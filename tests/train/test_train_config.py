@@ -454,3 +454,36 @@ def test_a_config_built_in_code_is_checked_too():
     cfg = TrainConfig(model={"architecture": "llama"}, training={"lr": 0.1}, zero={"optimizer": {
         "type": "AdamW", "params": {"lr": 0.2}}})
     assert "zero.optimizer.params.lr = 0.2 but training.lr = 0.1" in error_of(engine, cfg)
+
+
+def test_deepspeed_activation_checkpointing_turns_on_the_models_gradient_checkpointing(tmp_path):
+    from zerotrain.train.zero_fill import wants_gradient_checkpointing
+
+    run = write(tmp_path / "run.yaml", with_model("""\
+        zero:
+          zero_optimization: {stage: 2}
+          activation_checkpointing: {partition_activations: true, cpu_checkpointing: true}
+        """))
+    cfg = load_train_config(run)
+    assert wants_gradient_checkpointing(cfg) and not cfg.training.gradient_checkpointing
+    resolved, notes = engine(cfg, world_size=1, total_steps=10)  # not refused as an unbuilt feature
+    assert any("activation_checkpointing" in n and "gradient checkpointing" in n for n in notes)
+    assert not wants_gradient_checkpointing(load_train_config(None))
+
+
+def test_docs_list_every_config_key():
+    from pydantic import BaseModel
+
+    docs = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
+
+    def keys(model, prefix=""):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                yield from keys(ann, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}"
+
+    missing = [k for section in ("model", "data", "training", "logging", "output")
+               for k in keys(TrainConfig.model_fields[section].annotation) if f"`{k}`" not in docs]
+    assert not missing, f"docs/training.md lacks {missing}"

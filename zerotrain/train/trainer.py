@@ -54,7 +54,7 @@ class Trainer:
 
     def __init__(self, cfg: Any, resume: str = "never") -> None:
         from zerotrain.train.data import build_data, load_tokenizer
-        from zerotrain.train.zero_fill import build_engine_config
+        from zerotrain.train.zero_fill import build_engine_config, wants_gradient_checkpointing
 
         self.cfg = cfg
         launch = init_distributed()
@@ -71,7 +71,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         zero_stage = int(((cfg.zero_dict() or {}).get("zero_optimization") or {}).get("stage", 0))
         self.model = build_model(cfg.model, self.tokenizer, zero_init=cfg.zero_dict() if zero_stage == 3 else None)
-        if cfg.training.gradient_checkpointing:
+        if wants_gradient_checkpointing(cfg):
             enable_gradient_checkpointing(self.model)
         self.data = build_data(
             cfg.data, self.tokenizer, max_positions=max_positions(self.model), rank=self.rank, world_size=self.world

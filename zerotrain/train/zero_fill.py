@@ -139,6 +139,11 @@ def build_engine_config(
     if mismatches:
         raise _mismatch_error(mismatches, cfg.source)
     precision = resolve_precision(t.precision, device_type, zero)
+    if zero.pop("activation_checkpointing", None) is not None:
+        # DeepSpeed's section drives its own checkpointing API, which HF models never call; the trainer
+        # turns on the model's gradient checkpointing instead (see wants_gradient_checkpointing).
+        notes.append("zero.activation_checkpointing: applied as the model's gradient checkpointing (every layer, "
+                     "non-reentrant); its partition/cpu/contiguous options do not apply")
     _add_optimizer(zero)
     _add_scheduler(zero, t, notes)
     _treat_absent_as_auto(zero)
@@ -155,6 +160,11 @@ def build_engine_config(
     engine = resolve_config(validate_zero_section(zero, cfg.source), world_size=world_size, model=model,
                             auto_values=auto_values)
     return engine, notes
+
+
+def wants_gradient_checkpointing(cfg: TrainConfig) -> bool:
+    """training.gradient_checkpointing, or an activation_checkpointing section in the DeepSpeed config."""
+    return bool(cfg.training.gradient_checkpointing or "activation_checkpointing" in (cfg.zero or {}))
 
 
 def resolve_precision(precision: str, device_type: str, zero: Mapping[str, Any] | None = None) -> str:
