@@ -12,7 +12,8 @@ from torch import nn
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR, CLIP = 64, 16, 8, 10, 1e-2, 1.0
 
 
-def make_model(tied: bool = False, extra_unused: bool = False, freeze_one: bool = False, seed: int = 0) -> nn.Module:
+def make_model(tied: bool = False, extra_unused: bool = False, freeze_one: bool = False, seed: int = 0,
+               checkpointing: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -26,6 +27,10 @@ def make_model(tied: bool = False, extra_unused: bool = False, freeze_one: bool 
         model.unused_head = nn.Linear(32, 8)  # never called in forward
     if freeze_one:
         model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    if checkpointing:
+        from zerotrain.train.model import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model)
     return model
 
 

@@ -438,8 +438,6 @@ def test_resolve_with_a_real_llama_model():
 @pytest.mark.parametrize(
     "data, setting",
     [
-        ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-         "zero_optimization.offload_param.device"),
         ({"zero_optimization": {"elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
         ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
@@ -457,15 +455,19 @@ def test_unbuilt_feature_is_refused_with_a_fix(data, setting):
     assert "not built" in message
 
 
-def test_offload_message_says_what_to_change():
-    data = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}
-    message = error_of(check_supported, load_config(data))
-    assert "arrives with NVMe offload (ZeRO-Infinity) support" in message
-    assert 'set zero_optimization.offload_param.device to "cpu" (built) or "none"' in message
+def test_unbuilt_feature_message_says_what_to_change():
+    message = error_of(check_supported, load_config({"zero_optimization": {"elastic_checkpoint": True}}))
+    assert "arrives with a later version" in message
+    assert "set zero_optimization.elastic_checkpoint to false" in message
 
 
 def test_cpu_offload_is_built():
     check_supported(load_config({"zero_optimization": {"stage": 3, "cpu_offload": True, "offload_param": {"device": "cpu"}}}))
+
+
+def test_nvme_offload_is_built():
+    nvme = {"device": "nvme", "nvme_path": "/nvme"}
+    check_supported(load_config({"zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}}))
 
 
 def test_switched_off_features_pass():
@@ -485,10 +487,10 @@ def test_every_unbuilt_feature_row_is_off_by_default():
 
 def test_resolve_refuses_unbuilt_features_first():
     data = {
-        "zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
+        "zero_optimization": {"elastic_checkpoint": True},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
     }
-    assert "NVMe parameter offload is not built yet" in error_of(resolve, data)
+    assert "elastic checkpoints is not built yet" in error_of(resolve, data)
 
 
 # --------------------------------------------------------------------------- #
@@ -501,10 +503,6 @@ FULL_AUTO_VALUES = {
     "scheduler.params.warmup_num_steps": 100,
     "scheduler.params.total_num_steps": 1000,
 }
-NVME_REFUSAL = [
-    'zero_optimization.offload_param.device = "nvme"',
-    "arrives with NVMe offload (ZeRO-Infinity) support",
-]
 
 
 def test_reference_configs_are_all_covered():
@@ -550,11 +548,15 @@ def test_reference_zero3_cpu_offload_resolves():
     assert cfg.zero_stage == 3 and zero.offload_param.device == "cpu" and zero.offload_optimizer.device == "cpu"
 
 
-def test_reference_zero3_nvme_is_refused_until_nvme_parameter_offload():
-    cfg = load_config(CONFIGS / "guide-zero3-nvme.jsonc")
-    message = error_of(resolve_config, cfg, world_size=2, model=StubModel(), auto_values=FULL_AUTO_VALUES)
-    for part in NVME_REFUSAL:
-        assert part in message
+def test_reference_zero3_nvme_resolves():
+    # Nothing in it is refused any more: parameters and optimizer state on NVMe are built.
+    cfg = resolve_config(load_config(CONFIGS / "guide-zero3-nvme.jsonc"), world_size=2, model=StubModel(),
+                         auto_values=FULL_AUTO_VALUES)
+    zero = cfg.zero_optimization
+    assert cfg.zero_stage == 3 and cfg.compute_dtype == torch.bfloat16
+    assert zero.offload_param.device == "nvme" and zero.offload_optimizer.device == "nvme"
+    assert (zero.offload_param.buffer_count, zero.offload_param.buffer_size) == (5, 10**8)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 4)
 
 
 def test_reference_zero3_offload_keeps_stage3_keys():

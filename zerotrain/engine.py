@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from zerotrain.config.errors import ConfigError
 from zerotrain.distributed import read_launch_env
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import build_loss_scaler
@@ -30,7 +29,8 @@ from zerotrain.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
 from zerotrain.zero.param_gatherer import ParamGatherer
-from zerotrain.zero.stage import OffloadPlan, StagePlan, build_flat_params
+from zerotrain.zero.offload_setup import nvme_state_offload, offload_plan
+from zerotrain.zero.stage import StagePlan, build_flat_params
 
 if TYPE_CHECKING:
     from zerotrain.config import ZeroTrainConfig
@@ -65,6 +65,7 @@ class Engine(nn.Module):
         trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         zero = config.zero_optimization
+        offload = offload_plan(zero, trainable, self.world_size, self.rank, self.compute_dtype)
         self.flat_params = build_flat_params(
             model,
             trainable,
@@ -72,14 +73,17 @@ class Engine(nn.Module):
             zero.reduce_bucket_size,
             self.compute_dtype,
             zero.param_persistence_threshold,
-            _offload_plan(zero),
+            offload,
         )
         # Stage 3: parameters are gathered per unit around its forward and backward.
         self.param_gatherer = (
-            ParamGatherer(self.flat_params, model, zero.prefetch_bucket_size) if self.plan.shards_params else None
+            ParamGatherer(
+                self.flat_params, model, zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance
+            )
+            if self.plan.shards_params
+            else None
         )
-        if self.plan.shards_params and self.rank == 0:
-            _warn_unhonoured_stage3_knobs(zero)
+        nvme = nvme_state_offload(self.flat_params, offload)
         self.reducer = GradReducer(
             self.flat_params,
             self.plan.stage,
@@ -87,9 +91,9 @@ class Engine(nn.Module):
             config.communication_dtype,
             config.prescale_gradients,
             config.gradient_predivide_factor,
+            grad_swap=nvme.grads,
         )
         self.loss_scaler = build_loss_scaler(config.fp16)
-        nvme = _nvme_optimizer_offload(zero, self.flat_params, self.rank)
         self.optimizer = ZeroOptimizer(
             self.flat_params,
             options,
@@ -99,7 +103,8 @@ class Engine(nn.Module):
             loss_scaler=self.loss_scaler,
             allgather_bucket_size=zero.allgather_bucket_size,
             sub_group_size=zero.sub_group_size,
-            nvme=nvme,
+            nvme=nvme.optimizer,
+            nvme_grads=nvme.grads,
         )
         self.lr_scheduler = self._make_scheduler(client_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
@@ -163,6 +168,7 @@ class Engine(nn.Module):
         """Backpropagates `loss` divided by the accumulation steps and scaled for fp16."""
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.reduce_in_backward = self.plan.reduces_in_backward(boundary) and not self._inside_no_sync
+        self.reducer.boundary = boundary
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         with self.timers.measure("backward"):
             (loss * (scale / self.gradient_accumulation_steps())).backward(retain_graph=retain_graph)
@@ -277,51 +283,6 @@ class Engine(nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, master weights and optimizer state."""
         return self.optimizer.resident_bytes()
-
-
-def _offload_plan(zero) -> OffloadPlan:
-    """Where offloaded shards live, from `offload_optimizer` / `offload_param` (cpu only so far)."""
-    # NVMe offload keeps the state in host memory while it is in use, so it lives on the CPU too.
-    opt = zero.offload_optimizer if zero.offload_optimizer and zero.offload_optimizer.device != "none" else None
-    par = zero.offload_param if zero.offload_param and zero.offload_param.device == "cpu" else None
-    if opt and zero.stage == 0:
-        raise ConfigError(
-            "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (it offloads the optimizer's shard); "
-            "set zero_optimization.stage"
-        )
-    if par and zero.stage != 3:
-        raise ConfigError(
-            f"zero_optimization.offload_param needs ZeRO stage 3 (stage {zero.stage} keeps parameters whole on "
-            "the device); set zero_optimization.stage to 3 or remove offload_param"
-        )
-    cpu = torch.device("cpu")
-    return OffloadPlan(
-        optimizer_device=cpu if opt else None,
-        param_device=cpu if par else None,
-        pin_memory=bool((opt and opt.pin_memory) or (par and par.pin_memory)),
-    )
-
-
-def _nvme_optimizer_offload(zero, flat_params, rank: int):
-    """The NVMe swapper of optimizer state when `offload_optimizer.device` is "nvme"."""
-    opt = zero.offload_optimizer
-    if opt is None or opt.device != "nvme":
-        return None
-    from zerotrain.zero.nvme_offload import NvmeOptimizerOffload
-    from zerotrain.zero.nvme_store import NvmeStore
-
-    if opt.nvme_path is None:
-        raise ConfigError('zero_optimization.offload_optimizer.device is "nvme" but nvme_path is not set')
-    needed = NvmeOptimizerOffload.bytes_needed(flat_params)
-    store = NvmeStore(opt.nvme_path, rank, needed_bytes=needed, max_in_flight=max(2, opt.buffer_count))
-    return NvmeOptimizerOffload(store, flat_params)
-
-
-def _warn_unhonoured_stage3_knobs(zero) -> None:
-    defaults = type(zero).model_fields
-    for key in ("max_live_parameters", "max_reuse_distance"):
-        if getattr(zero, key) != defaults[key].default:
-            log.warning("zero_optimization.stage3_%s is not honoured yet by zerotrain; it has no effect", key)
 
 
 def _constructor_kwargs(cls: type, defaults: dict) -> dict:

@@ -7,7 +7,8 @@ mixed precision (fp32 master 4 + exp_avg 4 + exp_avg_sq 4):
     stage 3: (2 + 2 + K)Ψ/N
 In fp32 the master is the parameter itself, so K = 8.
 Communication per optimizer step (elements, per rank): 2Ψ at stages 0-2; 3Ψ at stage 3, less
-the root unit's re-gather (embeddings and head stay whole from forward through backward).
+the root unit's re-gather (embeddings and head stay whole from forward through backward),
+measured with `stage3_max_reuse_distance: 0` (no unit kept from forward for its backward).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def _measure(world: int) -> dict:
     out = {}
     for stage in (0, 1, 2, 3):
         for dtype in ("bf16", "fp32"):
-            run = train_zerotrain(zero_config(stage, world, 1, dtype), steps=2)
+            # Stage 3 without reuse (DeepSpeed's default keeps units reused soon, see
+            # test_stage3_units.py): every layer unit is gathered again in backward.
+            run = train_zerotrain(zero_config(stage, world, 1, dtype, stage3_max_reuse_distance=0), steps=2)
             engine = run["engine"]
             fps = engine.flat_params
             COMM_COUNTER.reset()

@@ -39,8 +39,8 @@ def _all_cases(world: int) -> dict:
     for name, stage, extra in SCALING_CASES:
         run = train_zerotrain({**zero_config(stage, world, 1), **extra})
         out[name] = {"losses": run["losses"], "weights": run["weights"]}
-    for name, stage, dtype, offload in OFFLOAD_CASES:
-        run = train_zerotrain(zero_config(stage, world, 2, dtype, **offload))
+    for name, stage, dtype, gas, offload in OFFLOAD_CASES:
+        run = train_zerotrain(zero_config(stage, world, gas, dtype, **offload))
         out[name] = {"losses": run["losses"], "weights": run["weights"]}
     run = train_zerotrain({**zero_config(2, world, 1, "bf16"), "communication_data_type": "fp32"})
     out["bf16-fp32-comm"] = {"losses": run["losses"], "weights": run["weights"]}
@@ -58,14 +58,23 @@ def _all_cases(world: int) -> dict:
 
 CPU = {"device": "cpu", "pin_memory": True}
 NVME = {"device": "nvme", "nvme_path": tempfile.gettempdir()}  # each store makes its own private folder
-OFFLOAD_CASES = (
+# Parameter shards on NVMe: none cached (every gather reads, every step writes), or a few.
+NVME_PARAM = {**NVME, "max_in_cpu": 0, "buffer_count": 2}
+NVME_PARAM_CACHED = {**NVME, "max_in_cpu": 6000}
+OFFLOAD_CASES = (  # (name, stage, dtype, accumulation steps, zero_optimization keys)
     # small sub-groups: the optimizer steps the shards a few buckets at a time
-    ("offload-opt-stage2", 2, "fp32", {"offload_optimizer": CPU, "sub_group_size": 2000}),
-    ("offload-opt-stage3", 3, "fp32", {"offload_optimizer": CPU}),
-    ("offload-both-stage3", 3, "fp32", {"offload_optimizer": CPU, "offload_param": CPU}),
-    ("offload-both-stage3-bf16", 3, "bf16", {"offload_optimizer": CPU, "offload_param": CPU}),
-    ("nvme-opt-stage2", 2, "fp32", {"offload_optimizer": NVME, "sub_group_size": 2000}),
-    ("nvme-opt-stage3-bf16", 3, "bf16", {"offload_optimizer": NVME, "sub_group_size": 2000}),
+    ("offload-opt-stage2", 2, "fp32", 2, {"offload_optimizer": CPU, "sub_group_size": 2000}),
+    ("offload-opt-stage3", 3, "fp32", 2, {"offload_optimizer": CPU}),
+    ("offload-both-stage3", 3, "fp32", 2, {"offload_optimizer": CPU, "offload_param": CPU}),
+    ("offload-both-stage3-bf16", 3, "bf16", 2, {"offload_optimizer": CPU, "offload_param": CPU}),
+    ("nvme-opt-stage2", 2, "fp32", 2, {"offload_optimizer": NVME, "sub_group_size": 2000}),
+    ("nvme-opt-stage3-bf16", 3, "bf16", 2, {"offload_optimizer": NVME, "sub_group_size": 2000}),
+    # ZeRO-Infinity: parameters on NVMe, with the optimizer state on NVMe, on the CPU, or not offloaded
+    ("nvme-both-stage3", 3, "fp32", 1, {"offload_optimizer": NVME, "offload_param": NVME_PARAM, "sub_group_size": 900}),
+    ("nvme-both-stage3-accum", 3, "fp32", 2, {"offload_optimizer": NVME, "offload_param": NVME_PARAM_CACHED}),
+    ("nvme-param-cpu-opt-stage3-accum", 3, "fp32", 2, {"offload_optimizer": CPU, "offload_param": NVME_PARAM}),
+    ("nvme-param-stage3", 3, "fp32", 1, {"offload_param": NVME_PARAM_CACHED}),
+    ("nvme-both-stage3-bf16", 3, "bf16", 2, {"offload_optimizer": NVME, "offload_param": NVME_PARAM}),
 )
 
 
@@ -129,8 +138,8 @@ def test_gradient_prescaling_and_predivision_do_not_change_training(world_runs, 
 
 
 @pytest.mark.parametrize("case", [c for c in OFFLOAD_CASES], ids=[c[0] for c in OFFLOAD_CASES])
-def test_cpu_offload_matches_single_process_training(world_runs, reference, case):
-    name, _, dtype, _ = case
+def test_offload_matches_single_process_training(world_runs, reference, case):
+    name, _, dtype, _, _ = case
     _, per_rank = world_runs
     ref_losses, ref_weights = reference
     rtol = 1e-5 if dtype == "fp32" else 3e-2

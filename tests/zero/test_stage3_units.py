@@ -1,7 +1,8 @@
-"""Stage 3 details: persistent small parameters, prefetch of the next unit, evaluation and generate()."""
+"""Stage 3 details: persistent small parameters, prefetch, reuse, the live limit, evaluation and generate()."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import run_on_ranks
@@ -29,7 +30,8 @@ def _train_step(engine, step: int) -> None:
 def _persistence() -> dict:
     from zerotrain.distributed import COMM_COUNTER
 
-    engine = _engine(stage3_param_persistence_threshold=100)  # the norms (32 elements) stay whole
+    # the norms (32 elements) stay whole; no reuse, so backward gathers every layer unit again
+    engine = _engine(stage3_param_persistence_threshold=100, stage3_max_reuse_distance=0)
     _train_step(engine, 0)
     COMM_COUNTER.reset()
     _train_step(engine, 1)
@@ -90,3 +92,111 @@ def _evaluate_and_generate() -> dict:
 def test_evaluation_and_generate_work_and_leave_parameters_freed():
     for r in run_on_ranks(2, _evaluate_and_generate):
         assert r["logits_shape"] == (1, 4, 64) and r["generated"] == (1, 8) and r["freed"]
+
+
+# --- reuse (stage3_max_reuse_distance) and the live limit (stage3_max_live_parameters) -------------
+
+
+def _sharded_sizes(engine) -> dict:
+    """Padded elements of the sharded buckets: per layer unit, the root's, and in all."""
+    fps = [fp for fp in engine.flat_params if not fp.persistent]
+    layers = [sum(fp.padded_numel for fp in fps if fp.unit is u) for u in engine.module.model.layers]
+    root = sum(fp.padded_numel for fp in fps if fp.unit is engine.module)
+    return {"layers": layers, "root": root, "psi": sum(fp.padded_numel for fp in fps)}
+
+
+def _live(engine) -> int:
+    return sum(
+        fp.padded_numel
+        for fp in engine.flat_params
+        if not fp.persistent and (fp.gathered or fp._pending_gather is not None)
+    )
+
+
+def _run_with_knobs(**zero_extra) -> dict:
+    """Three steps; the third's parameter traffic, and the most elements gathered at once in it."""
+    import torch.distributed as dist
+
+    from zerotrain.distributed import COMM_COUNTER
+    from zerotrain.zero.flat_param import FlatParam
+
+    engine = _engine(**zero_extra)
+    micro, rank = engine.train_micro_batch_size_per_gpu(), dist.get_rank()
+    peak = [0]
+    plain_gather = FlatParam.gather
+
+    def gather_and_watch(fp, async_op=False):  # live elements only grow at a gather
+        plain_gather(fp, async_op)
+        peak[0] = max(peak[0], _live(engine))
+
+    losses, live_between_steps = [], []
+    FlatParam.gather = gather_and_watch
+    try:
+        for step in range(3):
+            if step == 2:
+                COMM_COUNTER.reset()
+                peak[0] = _live(engine)
+            ids = global_batch(step)[rank * micro :][:micro]
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            live_between_steps.append(_live(engine))
+    finally:
+        FlatParam.gather = plain_gather
+    return {"param": COMM_COUNTER.elements["param"], "peak": peak[0], "losses": losses, "between": live_between_steps}
+
+
+def _reuse_and_live_limit() -> dict:
+    sizes = _sharded_sizes(_engine())
+    first, last = sizes["layers"]
+    # In the trace [layer0, layer1, backward of layer1, backward of layer0], layer 1 is reused at
+    # distance 0 and layer 0 after 2x layer 1's elements.
+    cases = {
+        "no_reuse": {"stage3_max_reuse_distance": 0},
+        "reuse_last": {"stage3_max_reuse_distance": 1},
+        "reuse_just_short": {"stage3_max_reuse_distance": 2 * last},
+        "reuse_both": {"stage3_max_reuse_distance": 2 * last + 1},
+        "deepspeed_defaults": {},
+        "live_root_and_a_layer": {"stage3_max_live_parameters": sizes["root"] + max(first, last)},
+        "live_zero": {"stage3_max_live_parameters": 0},
+    }
+    return {"sizes": sizes, **{name: _run_with_knobs(**knobs) for name, knobs in cases.items()}}
+
+
+@pytest.fixture(scope="module")
+def reuse_runs():
+    return run_on_ranks(2, _reuse_and_live_limit)[0]
+
+
+def test_units_reused_within_the_distance_are_not_gathered_again_in_backward(reuse_runs):
+    r, sizes = reuse_runs, reuse_runs["sizes"]
+    first, last = sizes["layers"]
+    no_reuse = 2 * sizes["psi"] - sizes["root"]  # test_memory_and_comm's 3Ψ, less the gradients
+    assert r["no_reuse"]["param"] == no_reuse
+    assert r["reuse_last"]["param"] == no_reuse - last  # only the last layer waits for its backward
+    assert r["reuse_just_short"]["param"] == no_reuse - last  # layer 0's distance is not below the limit
+    assert r["reuse_both"]["param"] == no_reuse - last - first
+    assert r["deepspeed_defaults"]["param"] == sizes["psi"], "1e9: every unit is gathered once per step"
+    for name in ("reuse_last", "reuse_just_short", "reuse_both", "deepspeed_defaults"):
+        assert r[name]["losses"] == r["no_reuse"]["losses"], name
+
+
+def test_live_parameters_stay_within_the_limit(reuse_runs):
+    r, sizes = reuse_runs, reuse_runs["sizes"]
+    needed_now = sizes["root"] + max(sizes["layers"])  # the root wraps the forward, plus one layer
+    # DeepSpeed's defaults hold the whole model at the end of forward (prefetched, then kept)
+    assert r["deepspeed_defaults"]["peak"] == sizes["psi"] > needed_now
+    for name, limit in (("live_root_and_a_layer", needed_now), ("live_zero", 0)):
+        assert r[name]["peak"] <= max(limit, needed_now), name
+        assert r[name]["losses"] == r["no_reuse"]["losses"], name
+    # within the limit the last layer is still kept for its backward (layer 0 is evicted for it)...
+    assert r["live_root_and_a_layer"]["param"] == 2 * sizes["psi"] - sizes["root"] - sizes["layers"][-1]
+    # ...while with no room at all nothing is kept
+    assert r["live_zero"]["param"] == 2 * sizes["psi"] - sizes["root"]
+
+
+def test_between_steps_only_shards_remain_whatever_the_knobs(reuse_runs):
+    for name, run in reuse_runs.items():
+        if name != "sizes":
+            assert run["between"] == [0, 0, 0], name

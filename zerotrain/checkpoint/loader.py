@@ -77,8 +77,7 @@ def _load_weights(engine, reader: CheckpointReader) -> None:
                 values = _read_values(reader, name, start, numel)
                 if values is not None:
                     fp.master[flat - lo : flat - lo + numel].copy_(values)
-            if not fp.master_is_param:
-                fp.shard().copy_(fp.master)
+            fp.copy_master_to_shard()  # also when the shard is parked on NVMe
         engine.optimizer.all_gather_params()
         for name, t in module_entries(engine).items():
             values = _read_values(reader, name, 0, t.numel())

@@ -15,7 +15,6 @@ from zerotrain.config.errors import ConfigError, format_problems, render_value
 from zerotrain.config.feature_schema import ActivationCheckpointingConfig, CheckpointConfig
 from zerotrain.config.schema import ZeroTrainConfig
 
-NVME_OFFLOAD = "NVMe offload (ZeRO-Infinity) support"
 LATER = "a later version"
 
 
@@ -33,14 +32,6 @@ class NotYetBuilt:
     """What to change in the config."""
     arrives_with: str = LATER
     """Which work brings the feature."""
-
-
-def _nvme_offload(section: str) -> Callable[[ZeroTrainConfig], Any]:
-    def requested(cfg: ZeroTrainConfig) -> Any:
-        offload = getattr(cfg.zero_optimization, section)
-        return offload.device if offload is not None and offload.device == "nvme" else None
-
-    return requested
 
 
 def _when(flag: Callable[[ZeroTrainConfig], Any]) -> Callable[[ZeroTrainConfig], Any]:
@@ -66,13 +57,6 @@ def _non_default(section: str, default: Any) -> Callable[[ZeroTrainConfig], Any]
 
 
 NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
-    NotYetBuilt(
-        "NVMe parameter offload",
-        "zero_optimization.offload_param.device",
-        _nvme_offload("offload_param"),
-        'set zero_optimization.offload_param.device to "cpu" (built) or "none"',
-        NVME_OFFLOAD,
-    ),
     NotYetBuilt(
         "elastic checkpoints",
         "zero_optimization.elastic_checkpoint",

@@ -4,11 +4,14 @@ Each `nn.Parameter` of the bucket becomes a view into `FlatParam.data`, so model
 code never knows. Rank r owns the slice `[r*S, (r+1)*S)` of the (padded) buffer;
 the fp32 master copy and the optimizer state exist only for that slice. Whether
 the gradient is kept whole or only as the shard is the stage's decision (see
-`zerotrain/zero/stage.py`); this class only holds the buffers.
+`zerotrain/zero/stage.py`); this class only holds the buffers. With NVMe offload
+the shards themselves may be parked on disk (`nvme_params.py`, `nvme_offload.py`):
+write them through `set_shard`, never by copying into `shard()` or `master`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -52,6 +55,8 @@ class FlatParam:
         self.local_shard: torch.Tensor | None = None  # stage 3: the rank's slice while `data` is freed
         self.gathered = True
         self._pending_gather = None  # work handle of a prefetch in flight
+        self.swap = None  # stage 3 on NVMe: the NvmeParamOffload parking `local_shard` between uses
+        self.master_swap = None  # NVMe optimizer offload: the NvmeOptimizerOffload parking `master`
         self.master: torch.Tensor | None = None  # fp32 shard the optimizer updates
         self.master_is_param = False  # fp32 training: the master is the parameter slice itself
         self.grad_full: torch.Tensor | None = None  # whole gradient, compute dtype
@@ -73,6 +78,8 @@ class FlatParam:
     def keep_only_shard(self, device: torch.device | None = None, pin: bool = False) -> None:
         """Stage 3: keeps a private copy of this rank's slice (on `device` when parameters are
         offloaded) and frees the whole buffer."""
+        from zerotrain.zero.partitioned_param import mark_partitioned
+
         self.local_shard = _on(self.shard().to(device or self.data.device, copy=True), pin)
         if self.master_is_param:
             self.master = self.local_shard
@@ -80,6 +87,7 @@ class FlatParam:
             p.ds_shape = shape  # DeepSpeed's name for the full shape of a partitioned parameter
             p.ds_numel = shape.numel()
             p._zerotrain_flat_param = self  # lets GatheredParameters find a parameter's bucket
+            mark_partitioned(p)  # prints as partitioned, not as an empty tensor
         self.free()
 
     def free(self) -> None:
@@ -93,16 +101,21 @@ class FlatParam:
                 p.data = empty
             self.data.untyped_storage().resize_(0)
             self.gathered = False
+        if self.swap is not None:
+            self.swap.release(self)  # a read that a prefetch started and no gather used
 
     def gather(self, async_op: bool = False) -> None:
         """Rebuilds the whole buffer from every rank's shard (counted as parameter traffic).
 
         With `async_op` the all-gather is only launched (a prefetch); the next plain
-        `gather()` waits for it.
+        `gather()` waits for it. A shard parked on NVMe is read in first: a prefetch only
+        launches the read, and the next `gather()` (prefetch or not) the all-gather.
         """
         if self.gathered:
             return
         if self._pending_gather is None:
+            if self.swap is not None and self.swap.fetch(self, async_op):
+                return
             from zerotrain import distributed as zdist
 
             self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
@@ -114,6 +127,25 @@ class FlatParam:
         self._pending_gather = None
         self._point_params_at_data()
         self.gathered = True
+        if self.swap is not None:
+            self.swap.release(self)  # the whole buffer has it now: the shard may go back to disk
+
+    def set_shard(self, values: torch.Tensor, with_master: bool = False) -> None:
+        """Overwrites this rank's parameter slice with `values` (cast to the compute dtype), and
+        its fp32 master too with `with_master`. The way to write a shard that may be on NVMe."""
+        with torch.no_grad():
+            if self.swap is not None:
+                self.swap.overwrite(self, values)
+            else:
+                self.shard().copy_(values)
+            if with_master and not self.master_is_param:
+                with self.master_swap.resident([self]) if self.master_swap is not None else contextlib.nullcontext():
+                    self.master.copy_(values)
+
+    def copy_master_to_shard(self) -> None:
+        """After the master changed (optimizer step, checkpoint load): the parameters follow it."""
+        if not self.master_is_param:
+            self.set_shard(self.master)
 
     def make_master(self, compute_dtype: torch.dtype, device: torch.device | None = None, pin: bool = False) -> None:
         """Creates the fp32 master shard, on `device` when the optimizer is offloaded.

@@ -6,6 +6,12 @@
 
 Every rank must enter it with the same parameters (the gathers are collectives).
 Parameters that are not partitioned (stages 0-2) are already whole: nothing happens.
+
+Outside it (and outside their unit's forward and backward), stage-3 parameters are
+`PartitionedParameter`s holding no values: `print(p)` says so and gives the full
+shape (`p.ds_shape`), and `p.ds_status` is "partitioned". Inside it they are whole,
+print as any `nn.Parameter`, and `p.ds_status` is "gathered"; `state_dict()` and
+`copy.deepcopy` taken inside it hold the values.
 """
 
 from __future__ import annotations
@@ -45,9 +51,8 @@ class GatheredParameters:
                 for fp in self.flat_params:
                     if dist.is_initialized() and dist.get_world_size() > 1:
                         zdist.broadcast(fp.data, self.modifier_rank, "param")
-                    fp.local_shard.copy_(fp.data[fp.shard_start : fp.shard_start + fp.shard_size])
-                    if not fp.master_is_param:
-                        fp.master.copy_(fp.local_shard)
+                    # the shard and master may be parked on NVMe: set_shard brings them in
+                    fp.set_shard(fp.data[fp.shard_start : fp.shard_start + fp.shard_size], with_master=True)
         for fp, was in zip(self.flat_params, self._was_gathered):
             if not was:
                 fp.free()

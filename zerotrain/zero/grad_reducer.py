@@ -11,7 +11,8 @@ callback at the end of backward.
 
 Stage 0 all-reduces the whole gradient. Stages 1 and 2 reduce-scatter it into
 the rank's gradient shard; stage 2 then frees the whole gradient, so between
-micro-steps a rank keeps only its shard.
+micro-steps a rank keeps only its shard. With the optimizer on NVMe (stages 2-3)
+that shard is parked on disk too (`nvme_grads.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class GradReducer:
         comm_dtype: torch.dtype | None,
         prescale_gradients: bool,
         predivide_factor: float,
+        grad_swap=None,
     ) -> None:
         self.flat_params = flat_params
         self.stage = stage
@@ -51,6 +53,8 @@ class GradReducer:
         else:
             self.pre_scale, self.post_scale = 1.0 / predivide_factor, predivide_factor / world_size
         self.reduce_in_backward = False
+        self.boundary = True  # this backward ends the accumulation: its gradients are the step's last
+        self.grad_swap = grad_swap  # NvmeGradOffload: reduced shards parked on NVMe
         self._slot: dict[nn.Parameter, tuple[int, int]] = {}
         for b, fp in enumerate(flat_params):
             for i, p in enumerate(fp.params):
@@ -119,6 +123,8 @@ class GradReducer:
         else:
             out = torch.empty(fp.shard_size, dtype=send.dtype, device=send.device)
             work = zdist.reduce_scatter(out, send, "grad", async_op=True)
+            if self.grad_swap is not None:
+                self.grad_swap.prefetch(fp)  # the shard so far comes in while the reduction runs
         if self.stage == 3:
             fp.free()  # the unit's backward is done: its parameters are not needed until next forward
         self._in_flight.append((fp, work, send, out))
@@ -132,6 +138,10 @@ class GradReducer:
         if self.stage == 0:
             if send is not fp.grad_full:
                 fp.grad_full.copy_(send)
+            return
+        if self.grad_swap is not None:
+            self.grad_swap.accumulate(fp, out, final=self.boundary)
+            fp.grad_full = None
             return
         shard = fp.grad_of_shard()
         shard.add_(out.to(shard.device))  # a blocking copy: the add must see the data

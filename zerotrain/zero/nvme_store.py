@@ -166,6 +166,49 @@ class NvmeStore:
         if not async_op:
             self.wait(key)
 
+    def allocate(self, key: str, t: torch.Tensor) -> None:
+        """Give ``t`` back storage for all its bytes *without* reading ``key``'s file.
+
+        For a caller about to overwrite every element (a new gradient, an updated
+        parameter). ``key`` need not exist yet; a pending write of ``t`` ends first
+        and its memory is reused. Contents are undefined until the caller writes them.
+        """
+        self._settle()
+        entry = self._entries.get(key)
+        if entry is not None and entry.op is not None:
+            self._finish(key, release=False)  # t may not change while a write still reads it
+            self._raise_errors()
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() or t._is_view():
+            raise ValueError(f"allocate({key!r}) needs a contiguous CPU tensor owning its storage; "
+                             f"got {t.device}, contiguous={t.is_contiguous()}, offset {t.storage_offset()}")
+        if entry is None:
+            entry = self._entries[key] = _Entry(os.path.join(self.directory, _file_name(key)), nbytes)
+        if t.untyped_storage().nbytes() != nbytes:
+            t.untyped_storage().resize_(nbytes)
+        entry.nbytes, entry.in_memory = nbytes, True
+
+    def discard(self, key: str, t: torch.Tensor) -> None:
+        """Release ``t``'s storage *without* writing it: the file already holds these bytes
+        (``t`` is unchanged since it was read or written), or they are not needed again.
+
+        A pending operation on ``key`` ends first. The file keeps what it last held.
+        """
+        self._settle()
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"discard({key!r}): this key was never swapped out or allocated")
+        if entry.op is not None:
+            self._finish(key)
+            self._raise_errors()
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            self._untrimmed += storage.nbytes() if storage.nbytes() < _MMAP_MIN else 0
+            storage.resize_(0)
+            if self._untrimmed >= _TRIM_EVERY:
+                self._trim()
+        entry.in_memory = False
+
     def wait(self, key: str) -> None:
         """Complete ``key``'s pending operation; raise any recorded I/O error as RuntimeError."""
         self._check_open()

@@ -38,6 +38,7 @@ class ZeroOptimizer:
         allgather_bucket_size: int = 500_000_000,
         sub_group_size: int = 1_000_000_000,
         nvme=None,
+        nvme_grads=None,
     ) -> None:
         self.flat_params = flat_params
         self.comm_device = flat_params[0].data.device if flat_params else torch.device("cpu")
@@ -58,6 +59,7 @@ class ZeroOptimizer:
         self.nvme = nvme  # NvmeOptimizerOffload: state parked on disk between steps
         if nvme is not None:
             nvme.attach(self.optimizer)
+        self.nvme_grads = nvme_grads  # NvmeGradOffload: gradient shards parked between micro-steps
         self.last_grad_norm: float | None = None
 
     # torch.optim.Optimizer look-alike -------------------------------------------------
@@ -83,45 +85,56 @@ class ZeroOptimizer:
                 fp.grad_full.zero_()
             if self.stage == 1:
                 fp.grad_shard = None  # stage 1 keeps whole gradients; the shard lives only in the step
-            elif fp.grad_shard is not None:
+            elif fp.grad_shard is not None and self.nvme_grads is None:
                 fp.grad_shard.zero_()
+        if self.nvme_grads is not None:
+            self.nvme_grads.zero_grad()  # parked shards: forgotten, not zeroed on disk
 
     # the step ---------------------------------------------------------------------------
 
     def step(self) -> bool:
         """Takes one optimizer step on the reduced gradients. Returns False if fp16 overflowed."""
-        grads = [self._master_grad(fp) for fp in self.flat_params]  # attached per sub-group below
+        parked = self.nvme_grads is not None
+        # In memory, every fp32 gradient now (attached per sub-group below); parked on NVMe, a
+        # sub-group's at a time, after the checks, which use per-bucket partial results.
+        grads = None if parked else [self._master_grad(fp) for fp in self.flat_params]
+        if parked:
+            nonfinite, sum_sq = self.nvme_grads.partials()
+        else:
+            nonfinite, sum_sq = self._local_partials(grads, check_finite=self.loss_scaler is not None)
         scale = self.cur_scale
-        if self.loss_scaler is not None and self._overflowed(grads):
+        if self.loss_scaler is not None and self._overflowed(nonfinite):
             self.loss_scaler.update_scale(True)
             self.last_grad_norm = float("inf")
             self.zero_grad()
             return False
-        norm = self._global_norm(grads) / scale
+        norm = self._global_norm(sum_sq) / scale
         self.last_grad_norm = norm
         factor = 1.0 / scale
         if self.clip > 0:
             # torch.nn.utils.clip_grad_norm_'s coefficient, clamped to 1.
             factor *= min(self.clip / (norm + 1e-6), 1.0)
-        if factor != 1.0:
+        if factor != 1.0 and not parked:
             torch._foreach_mul_(grads, factor)
         sub_groups = self._sub_groups()
         for n, sub_group in enumerate(sub_groups):
             # Step a sub-group at a time: torch optimizers skip parameters without a gradient,
             # so the temporaries of a (CPU) step stay within sub_group_size elements.
-            if self.nvme is not None:
-                self.nvme.swap_in(sub_group)
-                if n + 1 < len(sub_groups):
-                    self.nvme.swap_in(sub_groups[n + 1], async_op=True)  # read ahead while this one steps
-                self.nvme.wait(sub_group)
-            for fp in sub_group:
-                fp.master.grad = grads[self._index[id(fp)]]
+            self._swap_in(sub_group, sub_groups[n + 1] if n + 1 < len(sub_groups) else None)
+            if parked:
+                sub_grads = [self._master_grad(fp) for fp in sub_group]
+                if factor != 1.0:
+                    torch._foreach_mul_(sub_grads, factor)
+            else:
+                sub_grads = [grads[self._index[id(fp)]] for fp in sub_group]
+            for fp, g in zip(sub_group, sub_grads):
+                fp.master.grad = g
             self.optimizer.step()
-            with torch.no_grad():
-                for fp in sub_group:
-                    fp.master.grad = None
-                    if not fp.master_is_param:
-                        fp.shard().copy_(fp.master)
+            for fp in sub_group:
+                fp.master.grad = None
+                fp.copy_master_to_shard()
+            if parked:
+                self.nvme_grads.drop(sub_group)
             if self.nvme is not None:
                 self.nvme.swap_out(sub_group)
         if self.loss_scaler is not None:
@@ -129,6 +142,15 @@ class ZeroOptimizer:
         self.zero_grad()
         self.all_gather_params()
         return True
+
+    def _swap_in(self, sub_group: list[FlatParam], next_group: list[FlatParam] | None) -> None:
+        """Brings a sub-group's NVMe-parked state (and gradients) in, reading the next one ahead."""
+        for swap in (self.nvme, self.nvme_grads):
+            if swap is not None:
+                swap.swap_in(sub_group)
+                if next_group is not None:
+                    swap.swap_in(next_group, async_op=True)  # read ahead while this one steps
+                swap.wait(sub_group)
 
     def _sub_groups(self) -> list[list[FlatParam]]:
         """Consecutive buckets of at most `sub_group_size` elements of master shard (one at least)."""
@@ -146,17 +168,24 @@ class ZeroOptimizer:
         """The shard's gradient where the master lives, in fp32 (a copy only when needed)."""
         return fp.grad_of_shard().to(device=fp.master.device, dtype=torch.float32)
 
-    def _overflowed(self, grads: list[torch.Tensor]) -> bool:
-        local = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float().to(self.comm_device)
+    @staticmethod
+    def _local_partials(grads: list[torch.Tensor], check_finite: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(any non-finite element, if asked; sum of squares) over this rank's gradient shards."""
+        if not grads:
+            return torch.zeros(()), torch.zeros(())
+        nonfinite = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float() if check_finite else None
+        # foreach norms: no squared copy of every bucket
+        return nonfinite, torch.stack(torch._foreach_norm(grads)).square().sum()
+
+    def _overflowed(self, nonfinite: torch.Tensor) -> bool:
+        local = nonfinite.to(self.comm_device)
         if self.sharded:
             zdist.all_reduce(local, "scalar", op=dist.ReduceOp.MAX)
         return bool(local.item())
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+    def _global_norm(self, sum_sq: torch.Tensor) -> float:
         """L2 norm of the whole gradient: each rank sums squares over its shard only."""
-        # foreach norms: no squared copy of every bucket
-        sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
-        sq = sq.to(self.comm_device)  # offloaded grads are on the CPU; NCCL reduces device tensors
+        sq = sum_sq.to(self.comm_device)  # offloaded grads are on the CPU; NCCL reduces device tensors
         if self.sharded:
             zdist.all_reduce(sq, "scalar")
         return float(sq.sqrt())
@@ -212,10 +241,10 @@ class ZeroOptimizer:
         for fp in self.flat_params:
             out["params"] += fp.data.untyped_storage().nbytes()  # 0 while a stage-3 unit is freed
             if fp.local_shard is not None:
-                out["params"] += fp.local_shard.numel() * fp.local_shard.element_size()
+                out["params"] += fp.local_shard.untyped_storage().nbytes()  # 0 while parked on NVMe
             for g in (fp.grad_full, fp.grad_shard if fp.sharded else None):
                 if g is not None:
-                    out["grads"] += g.numel() * g.element_size()
+                    out["grads"] += g.untyped_storage().nbytes()
             if not fp.master_is_param:
                 out["master"] += fp.master.untyped_storage().nbytes()  # 0 while parked on NVMe
         for state in self.optimizer.state.values():

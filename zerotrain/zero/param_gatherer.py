@@ -1,4 +1,4 @@
-"""ParamGatherer: ZeRO-3's forward and backward hooks on units, with prefetch.
+"""ParamGatherer: ZeRO-3's forward and backward hooks on units, with prefetch and reuse.
 
 Before a unit's forward its FlatParams are all-gathered; after it they are
 freed. A hook on the unit's outputs gathers them again when backward reaches
@@ -6,12 +6,29 @@ the unit; the GradReducer frees them once the unit's gradients are launched
 for reduce-scatter. The root unit (embeddings, final norm, head) wraps the whole
 forward, so it stays gathered from the start of forward to the end of backward.
 Per optimizer step a rank thus moves Ψ (forward gathers) + Ψ (backward gathers)
-+ Ψ (reduce-scatter) = 3Ψ elements, less the root's backward re-gather.
++ Ψ (reduce-scatter) = 3Ψ elements, less the root's backward re-gather, and
+less what reuse (below) keeps.
 
-Prefetch: the first forward records the order units run in. Afterwards, when a
-unit starts (forward) or its gradient arrives (backward), the gathers of the
-units that come next are launched asynchronously, up to `prefetch_numel`
-elements, so communication overlaps the current unit's compute.
+The first forward records the order units run in; backward is taken to visit
+them in reverse. From then on, with DeepSpeed's meaning of the stage-3 knobs
+(all in elements, counted as the padded sizes of a unit's sharded FlatParams):
+
+- Prefetch (`stage3_prefetch_bucket_size`): when a unit starts (forward) or its
+  gradient arrives (backward), the gathers of the units that come next are
+  launched asynchronously, so communication overlaps the current unit's compute.
+- Live limit (`stage3_max_live_parameters`): prefetch stops rather than take the
+  gathered elements above the limit; the unit needed now is always gathered,
+  evicting units kept for reuse (kept longest first) to make room.
+- Reuse (`stage3_max_reuse_distance`): when a unit's forward ends and the trace
+  says it runs again (called twice, or its own backward) with fewer than this
+  many elements of other units gathered in between, it stays gathered, so
+  its next use needs no gather, as long as the live limit holds at that moment.
+  With DeepSpeed's default of 1e9, a model under a billion elements per rank
+  gathers its layers once per step. 0 frees every unit after its forward.
+
+Whatever was kept is freed at the end of backward (the GradReducer frees every
+bucket it reduces) or at the end of a forward without gradients, so between
+steps a rank holds only shards.
 """
 
 from __future__ import annotations
@@ -24,19 +41,37 @@ from torch.utils._pytree import tree_leaves
 
 from zerotrain.zero.flat_param import FlatParam
 
+# DeepSpeed's defaults for stage3_max_live_parameters and stage3_max_reuse_distance.
+DEFAULT_MAX_LIVE_NUMEL = 1_000_000_000
+DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000
+
 
 class ParamGatherer:
     """Installs the gather/free hooks of every unit of a stage-3 model."""
 
-    def __init__(self, flat_params: list[FlatParam], root: nn.Module, prefetch_numel: int = 0) -> None:
+    def __init__(
+        self,
+        flat_params: list[FlatParam],
+        root: nn.Module,
+        prefetch_numel: int = 0,
+        max_live_numel: int = DEFAULT_MAX_LIVE_NUMEL,
+        max_reuse_distance: int = DEFAULT_MAX_REUSE_DISTANCE,
+    ) -> None:
         self.root = root
         self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
         self.by_unit: dict[nn.Module, list[FlatParam]] = defaultdict(list)
         for fp in flat_params:
             self.by_unit[fp.unit].append(fp)
+        self._sharded = [fp for fp in flat_params if not fp.persistent]
         self.order: list[nn.Module] = []  # layer units in forward order, recorded once
         self._recorded = False
         self._cursor = -1  # position of the running unit in `order`
+        # Per forward position: elements gathered before the unit's next use, None if not used again.
+        self._distance_training: list[int | None] = []  # trace = forward, then backward in reverse
+        self._distance_inference: list[int | None] = []  # trace = forward only
+        self._kept: list[nn.Module] = []  # units left gathered for reuse, oldest first
         self._handles = []
         for unit in self.by_unit:
             self._handles.append(unit.register_forward_pre_hook(self._before_forward))
@@ -46,24 +81,30 @@ class ParamGatherer:
         for h in self._handles:
             h.remove()
 
+    # --- hooks -----------------------------------------------------------------------------
+
     def _before_forward(self, unit: nn.Module, args) -> None:
         if unit is self.root:
             self._cursor = -1
+            self._kept = [u for u in self._kept if any(_is_live(fp) for fp in self.by_unit[u])]
         elif not self._recorded:
             self.order.append(unit)
-        _gather(self.by_unit[unit])
+        self._acquire(unit)
         if unit is not self.root and self._recorded:
             self._cursor = self._position(unit, start=self._cursor + 1)
             self._prefetch(range(self._cursor + 1, len(self.order)))
 
     def _after_forward(self, unit: nn.Module, args, output) -> None:
-        fps = self.by_unit[unit]
         if unit is self.root:
-            self._recorded = True
+            if not self._recorded:
+                self._finish_recording()
             if not torch.is_grad_enabled():
                 self.free_all()  # no backward will follow (evaluation, generation)
             return  # else the head and embeddings are needed by backward; freed after their reduction
-        _free(fps)
+        if self._recorded and self._worth_keeping(self._cursor):
+            self._kept.append(unit)
+        else:
+            _free(self.by_unit[unit])
         if torch.is_grad_enabled():
             position = len(self.order) - 1 if not self._recorded else self._cursor
             for t in tree_leaves(output):
@@ -71,17 +112,63 @@ class ParamGatherer:
                     t.register_hook(lambda grad, unit=unit, position=position: self._before_backward(unit, position))
 
     def _before_backward(self, unit: nn.Module, position: int) -> None:
-        _gather(self.by_unit[unit])
+        self._acquire(unit)
         self._prefetch(range(position - 1, -1, -1))
 
+    # --- decisions -------------------------------------------------------------------------
+
+    def _acquire(self, unit: nn.Module) -> None:
+        """Gathers a unit needed now, first evicting kept units if it would break the live limit."""
+        if unit in self._kept:
+            self._kept.remove(unit)  # in use: not evictable until its forward ends again
+        missing = sum(fp.padded_numel for fp in self.by_unit[unit] if not fp.persistent and not _is_live(fp))
+        while self._kept and self._live_numel() + missing > self.max_live_numel:
+            # The oldest kept unit is the one reused last (backward runs in reverse).
+            _free(self.by_unit[self._kept.pop(0)])
+        _gather(self.by_unit[unit])
+
+    def _worth_keeping(self, position: int) -> bool:
+        """Whether the unit that just ran at `position` is reused soon enough to stay gathered."""
+        distances = self._distance_training if torch.is_grad_enabled() else self._distance_inference
+        distance = distances[position] if 0 <= position < len(distances) else None
+        return distance is not None and distance < self.max_reuse_distance and self._live_numel() <= self.max_live_numel
+
     def _prefetch(self, positions) -> None:
-        budget = self.prefetch_numel
+        budget = min(self.prefetch_numel, self.max_live_numel - self._live_numel())
         for i in positions:
             for fp in self.by_unit[self.order[i]]:
+                if fp.persistent or _is_live(fp):
+                    continue  # already whole, kept, or on its way: costs nothing more
                 if budget < fp.padded_numel:
                     return
                 budget -= fp.padded_numel
                 fp.gather(async_op=True)
+
+    def _live_numel(self) -> int:
+        """Elements of sharded buckets now whole on this rank, or being gathered."""
+        return sum(fp.padded_numel for fp in self._sharded if _is_live(fp))
+
+    # --- the recorded order ----------------------------------------------------------------
+
+    def _finish_recording(self) -> None:
+        self._recorded = True
+        self._distance_inference = self._reuse_distances(self.order)
+        self._distance_training = self._reuse_distances(self.order + self.order[::-1])
+
+    def _reuse_distances(self, trace: list[nn.Module]) -> list[int | None]:
+        """For each forward position, the elements of the units run between it and its unit's
+        next appearance in `trace` (a unit counted at every appearance, as DeepSpeed does)."""
+        size = {unit: sum(fp.padded_numel for fp in fps if not fp.persistent) for unit, fps in self.by_unit.items()}
+        out: list[int | None] = []
+        for i, unit in enumerate(self.order):
+            distance, found = 0, None
+            for later in trace[i + 1 :]:
+                if later is unit:
+                    found = distance
+                    break
+                distance += size[later]
+            out.append(found)
+        return out
 
     def _position(self, unit: nn.Module, start: int) -> int:
         """Where `unit` runs in the recorded order (a unit called twice appears twice)."""
@@ -90,15 +177,23 @@ class ParamGatherer:
                 return i
         return next((i for i, u in enumerate(self.order) if u is unit), len(self.order) - 1)
 
+    # --- everything at once ----------------------------------------------------------------
+
     def gather_all(self) -> None:
         """Makes every parameter whole (for export); `free_all` undoes it."""
         for fps in self.by_unit.values():
             _gather(fps)
 
     def free_all(self) -> None:
-        """Frees every partitioned unit."""
+        """Frees every partitioned unit, including those kept for reuse."""
+        self._kept.clear()
         for fps in self.by_unit.values():
             _free(fps)
+
+
+def _is_live(fp: FlatParam) -> bool:
+    """Whole, or with a prefetch in flight (its buffer is allocated either way)."""
+    return fp.gathered or fp._pending_gather is not None
 
 
 def _gather(fps: list[FlatParam]) -> None:

@@ -16,6 +16,7 @@ to the compute dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,10 @@ from zerotrain import distributed as zdist
 from zerotrain.zero.flat_param import FlatParam, split_into_buckets
 from zerotrain.zero.init_context import Materializer, has_deferred_params
 from zerotrain.zero.units import assign_params_to_units, find_layer_units
+
+if TYPE_CHECKING:
+    from zerotrain.zero.nvme_offload import NvmeOptimizerOffload
+    from zerotrain.zero.nvme_params import NvmeParamOffload
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,9 @@ class OffloadPlan:
     optimizer_device: torch.device | None = None  # fp32 master + optimizer state; the step runs there
     param_device: torch.device | None = None  # stage 3 parameter shards between uses
     pin_memory: bool = False
+    param_swap: "NvmeParamOffload | None" = None  # stage 3 parameter shards parked on NVMe
+    state_swap: "NvmeOptimizerOffload | None" = None  # fp32 masters (and optimizer state) parked on NVMe
+    grads_parked: bool = False  # gradient shards parked on NVMe (NvmeGradOffload makes them)
 
 
 def build_flat_params(
@@ -104,6 +112,10 @@ def build_flat_params(
             fp.cast_to(compute_dtype)
             if plan.shards_params and not fp.persistent:
                 fp.keep_only_shard(offload.param_device, offload.pin_memory)
+                if offload.param_swap is not None:
+                    offload.param_swap.adopt(fp)  # parked before the next unit exists
+            if offload.state_swap is not None:
+                offload.state_swap.adopt(fp)
         flat_params.extend(batch)
     if deferred is not None:
         deferred.finish()  # units with no trainable parameters
@@ -116,7 +128,7 @@ def build_flat_params(
     for fp in flat_params:
         if plan.keeps_whole_grads:
             fp.ensure_grad_full()
-        else:
+        elif not offload.grads_parked:
             fp.grad_of_shard()
     return flat_params
 

@@ -1,0 +1,153 @@
+"""ZeRO-3 parameters say they are partitioned, and otherwise behave as nn.Parameter.
+
+Most checks run in this process on a one-rank bucket whose all-gather is a copy;
+the last one runs a real two-rank stage-3 engine.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_on_ranks
+from llama_workload import train_reference, train_zerotrain, zero_config
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.fixture
+def partitioned_linear(monkeypatch):
+    """An nn.Linear whose parameters are a freed stage-3 bucket of one rank, and the bucket."""
+    from zerotrain.zero.flat_param import FlatParam
+
+    def one_rank_all_gather(out, inp, purpose, group=None, async_op=False):
+        out.copy_(inp)
+        return _Done()
+
+    monkeypatch.setattr("zerotrain.distributed.all_gather", one_rank_all_gather)
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 3)
+    reference = copy.deepcopy(linear)  # a plain twin, before partitioning
+    fp = FlatParam([linear.weight, linear.bias], ["weight", "bias"], 0, world_size=1, rank=0, sharded=True)
+    fp.keep_only_shard()
+    return linear, fp, reference
+
+
+def test_a_freed_parameter_says_it_is_partitioned_with_its_full_shape(partitioned_linear):
+    from zerotrain.zero.partitioned_param import PartitionedParameter
+
+    linear, _, _ = partitioned_linear
+    w = linear.weight
+    assert isinstance(w, PartitionedParameter) and isinstance(w, nn.Parameter)
+    assert w.numel() == 0 and tuple(w.ds_shape) == (3, 4) and w.ds_numel == 12
+    assert w.ds_status == "partitioned"
+    text = repr(w)
+    assert text.startswith("PartitionedParameter(ds_shape=(3, 4), dtype=torch.float32, requires_grad=True")
+    assert "sharded across 1 rank;" in text and "zerotrain.zero.GatheredParameters([param])" in text
+    assert str(w) == text and f"{w}" == text
+
+
+def test_a_gathered_parameter_prints_as_a_plain_parameter(partitioned_linear):
+    linear, fp, reference = partitioned_linear
+    fp.gather()
+    w = linear.weight
+    assert w.ds_status == "gathered" and w.shape == (3, 4)
+    assert repr(w) == repr(reference.weight)  # "Parameter containing:\ntensor([[...]], requires_grad=True)"
+    fp.free()
+    assert w.ds_status == "partitioned"
+
+
+def test_autograd_and_torch_optimizers_treat_it_as_a_parameter(partitioned_linear):
+    linear, fp, reference = partitioned_linear
+    fp.gather()
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (linear, reference)]
+    x = torch.randn(5, 4)
+    for m, opt in zip((linear, reference), opts):
+        m(x).square().sum().backward()
+        opt.step()
+    torch.testing.assert_close(linear.weight.detach(), reference.weight.detach(), rtol=0, atol=0)
+    # the step wrote into the bucket: a free and a gather bring the updated values back
+    fp.local_shard.copy_(fp.data)
+    fp.free()
+    fp.gather()
+    torch.testing.assert_close(linear.bias.detach(), reference.bias.detach(), rtol=0, atol=0)
+
+
+def test_state_dict_holds_plain_tensors(partitioned_linear):
+    linear, fp, reference = partitioned_linear
+    assert [tuple(t.shape) for t in linear.state_dict().values()] == [(0,), (0,)]  # partitioned: gather first
+    fp.gather()
+    state = linear.state_dict()
+    assert all(type(t) is torch.Tensor for t in state.values())
+    torch.testing.assert_close(state, reference.state_dict(), rtol=0, atol=0)
+
+
+def test_deepcopy_copies_values_while_gathered_and_says_it_has_none_otherwise(partitioned_linear):
+    from zerotrain.zero.partitioned_param import PartitionedParameter
+
+    linear, fp, reference = partitioned_linear
+    empty = copy.deepcopy(linear)
+    assert type(empty.weight) is PartitionedParameter and empty.weight.numel() == 0
+    assert tuple(empty.weight.ds_shape) == (3, 4) and empty.weight.ds_status == "partitioned"
+    assert "it holds no values" in repr(empty.weight)
+    fp.gather()
+    whole = copy.deepcopy(linear)
+    assert type(whole.weight) is nn.Parameter  # an ordinary, independent parameter
+    torch.testing.assert_close(whole.weight, reference.weight, rtol=0, atol=0)
+    assert whole.weight.data_ptr() != linear.weight.data_ptr()
+    tied = nn.ModuleList([linear, linear])
+    twin = copy.deepcopy(tied)
+    assert twin[0].weight is twin[1].weight  # deepcopy's memo keeps tied weights tied
+
+
+def test_other_parameter_subclasses_keep_their_class():
+    from zerotrain.zero.partitioned_param import mark_partitioned
+
+    class Custom(nn.Parameter):
+        pass
+
+    custom = Custom(torch.zeros(2))
+    mark_partitioned(custom)
+    assert type(custom) is Custom
+
+
+def _stage3_engine_parameters() -> dict:
+    from zerotrain.zero import GatheredParameters
+    from zerotrain.zero.partitioned_param import PartitionedParameter
+
+    run = train_zerotrain(zero_config(3, 2, 1), steps=3)
+    module = run["engine"].module
+    head = module.lm_head.weight
+    params = list(module.parameters())
+    freed = repr(head)
+    with GatheredParameters([head]):
+        gathered = repr(head)
+        status_inside = head.ds_status
+    return {
+        "losses": run["losses"],
+        "all_partitioned": all(isinstance(p, PartitionedParameter) and isinstance(p, nn.Parameter) for p in params),
+        "statuses": {p.ds_status for p in params},
+        "freed": freed,
+        "gathered": gathered,
+        "status_inside": status_inside,
+        "ds_shape": tuple(head.ds_shape),
+    }
+
+
+def test_stage3_engine_parameters_are_partitioned_and_training_still_matches():
+    ref_losses, _ = train_reference(steps=3)
+    per_rank = run_on_ranks(2, _stage3_engine_parameters)
+    for r in per_rank:
+        assert r["all_partitioned"] and r["statuses"] == {"partitioned"}
+        assert r["ds_shape"] == (64, 32)
+        assert r["freed"].startswith("PartitionedParameter(ds_shape=(64, 32), dtype=torch.float32")
+        assert "sharded across 2 ranks" in r["freed"]
+        assert r["gathered"].startswith("Parameter containing:\ntensor([[") and r["status_inside"] == "gathered"
+    losses = [sum(step) / 2 for step in zip(*(r["losses"] for r in per_rank))]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
