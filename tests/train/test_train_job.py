@@ -65,6 +65,15 @@ def test_embedded_default_trains_to_the_end_and_writes_a_loadable_model(tmp_path
         out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > ids.shape[1]
 
+    # Fine-tune that directory (weights and tokenizer) on prompt/response JSONL: model.path + data.path.
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(f'{{"prompt": "{a}+{b}=", "response": "{a + b}"}}\n' for a in range(40) for b in range(10)))
+    _train(tmp_path, "sft", "--model.path", str(run / "hf"), "--data.path", str(data), "--data.format", "auto", "--data.seq_len", "32",
+           "--training.max_steps", "4", "--training.micro_batch_size", "4", "--logging.interval", "1")
+    tuned = _rows(tmp_path / "sft" / "metrics.csv")
+    assert len(tuned) == 4 and float(tuned[0]["loss"]) < first  # starts from the trained weights, not from scratch
+    assert (tmp_path / "sft" / "hf" / "tokenizer.json").is_file()
+
 
 @pytest.mark.timeout(600)
 def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(tmp_path):
