@@ -115,3 +115,12 @@ def test_detached_run_is_followed_and_stopped_cleanly_after_a_checkpoint(tmp_pat
     assert latest.startswith("step") and int(latest[4:]) >= 10
     logs = subprocess.run([*ZEROTRAIN, "logs", str(run)], capture_output=True, text=True, timeout=60)
     assert "stopped" in logs.stdout and not (run / "STOP").exists()
+
+
+def test_bad_data_stops_the_job_with_its_message_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{not json}\n')
+    proc = _train(tmp_path, "bad", "--nproc_per_node", "1", "--data.path", str(bad), "--data.format", "auto",
+                  check=False)
+    assert proc.returncode == 2
+    assert "bad.jsonl" in proc.stderr and "line 2" in proc.stderr and "Traceback" not in proc.stderr

@@ -149,9 +149,17 @@ def _under_slurm_tasks() -> bool:
 
 def _run_here(cfg, resume: str) -> int:
     """Runs the trainer in this process (one rank of a launched job, or a single process)."""
+    from zerotrain.config.errors import ConfigError
+    from zerotrain.train.data import DataError
     from zerotrain.train.trainer import Trainer
 
-    trainer = Trainer(cfg, resume=resume)
+    try:
+        trainer = Trainer(cfg, resume=resume)
+    except (ConfigError, DataError) as error:
+        # A problem with the user's config or data: the message names it and the fix; a traceback would bury it.
+        rank = os.environ.get("RANK", "0")
+        Console(stderr=True, soft_wrap=True).print(f"[red]zerotrain train (rank {rank}): {escape(str(error))}[/]")
+        return USAGE_EXIT_CODE
     summary = trainer.run()
     if trainer.rank == 0:
         print_summary(summary, Console(soft_wrap=True))

@@ -99,7 +99,10 @@ def build_data(data_cfg: Any, tokenizer: Any, *, max_positions: int | None = Non
         if fmt not in ("auto", "synthetic"):
             raise DataError(f"data.format is {fmt!r} but data.path is not set. Set data.path to the data.")
         if path is not None:
-            raise DataError(f"data.path is {path!r} but data.format is 'synthetic'; remove one of the two.")
+            raise DataError(
+                f"data.path is {path!r} but data.format is 'synthetic' (the generated task): set data.format "
+                "to auto (or text/jsonl/parquet/arrow) to train on the file, or remove data.path"
+            )
         syn = _option(data_cfg, "synthetic", None)
         task = _option(syn, "task", "arithmetic")
         num, syn_seed = int(_option(syn, "num_examples", 20000)), int(_option(syn, "seed", 0))

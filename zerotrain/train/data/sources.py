@@ -84,7 +84,10 @@ def resolve_sources(path: str | os.PathLike, fmt: str = "auto", key: str = "data
     """The inputs under ``path`` with their formats; ``key`` names the config entry in messages."""
     fmt = check_format(fmt)
     if fmt == "synthetic":
-        raise DataError(f"{key} is set but data.format is 'synthetic'; remove one of the two.")
+        raise DataError(
+            f"{key} is set but data.format is 'synthetic' (the generated task): set data.format to auto "
+            f"(or text/jsonl/parquet/arrow) to read it, or remove {key}"
+        )
     root = Path(path).expanduser()
     if not root.exists() and _GLOB_CHARS.intersection(str(root)):
         matches = sorted(glob.glob(str(root), recursive=True))
