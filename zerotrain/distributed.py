@@ -8,7 +8,6 @@ paper's 2Ψ / 3Ψ) — counted at the torch.distributed call, not estimated.
 from __future__ import annotations
 
 import os
-import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,12 +45,6 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(timeout_s: float = 1800.0) -> LaunchEnv:
     """Initializes the default process group once: NCCL with CUDA, Gloo without.
 
@@ -62,18 +55,20 @@ def init_distributed(timeout_s: float = 1800.0) -> LaunchEnv:
     launch = read_launch_env()
     # MPI and Slurm launchers set no rendezvous address; torch needs one.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = None
     if "MASTER_PORT" not in os.environ:
         if launch.world_size > 1:
             raise RuntimeError(
                 "MASTER_PORT is not set: a multi-process job needs a rendezvous port. "
                 "Start it with `zerotrain launch`, torchrun, or export MASTER_ADDR and MASTER_PORT."
             )
-        os.environ["MASTER_PORT"] = str(_free_port())
+        # A lone process needs no rendezvous: an in-memory store, so no port can be taken meanwhile.
+        store = dist.HashStore()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend, rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout_s)
+        backend, rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout_s), store=store
     )
     return launch
 
