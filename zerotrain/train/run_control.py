@@ -34,13 +34,18 @@ def running_pid(run_dir: Path) -> int | None:
         pid = int((run_dir / PID_NAME).read_text().strip())
     except (OSError, ValueError):
         return None
+    return pid if process_alive(pid) else None
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (an exited, unreaped zombie does not count)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return None
+        return False
     except PermissionError:
-        return pid  # alive, owned by someone else
-    return None if _is_zombie(pid) else pid
+        return True  # alive, owned by someone else
+    return not _is_zombie(pid)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -126,7 +131,8 @@ def request_stop(run_dir: Path, wait_s: float = 600.0, on_wait=None) -> bool:
         raise RunControlError(f"no run is active in {run_dir} (no live process in {run_dir / PID_NAME})")
     (run_dir / STOP_NAME).write_text(f"stop requested at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     start = time.monotonic()
-    while running_pid(run_dir) == pid:
+    # Wait for the process itself: it removes its pid file a moment before it exits.
+    while process_alive(pid):
         elapsed = time.monotonic() - start
         if elapsed > wait_s:
             return False
