@@ -31,15 +31,10 @@ class LossScaleAtMinimumError(RuntimeError):
     """Raised when a step overflows at the minimum scale and the scaler was told to give up."""
 
 
-class StaticLossScaler:
-    """A fixed loss scale (fp16 config with a non-zero ``loss_scale``)."""
+class LossScaler:
+    """What both scalers share: the current scale and how the loss is multiplied by it."""
 
-    dynamic = False
-
-    def __init__(self, scale: float = 1.0) -> None:
-        if not scale > 0:
-            raise ValueError(f"a static loss scale must be positive, got {scale}")
-        self.cur_scale = float(scale)
+    cur_scale: float
 
     @property
     def loss_scale(self) -> float:
@@ -49,6 +44,17 @@ class StaticLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Return ``loss * loss_scale``."""
         return loss * self.cur_scale
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed loss scale (fp16 config with a non-zero ``loss_scale``)."""
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0) -> None:
+        if not scale > 0:
+            raise ValueError(f"a static loss scale must be positive, got {scale}")
+        self.cur_scale = float(scale)
 
     def update_scale(self, overflow: bool) -> None:
         """A static scale never changes; present so callers need not special-case it."""
@@ -62,7 +68,7 @@ class StaticLossScaler:
         self.cur_scale = float(state["cur_scale"])
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(LossScaler):
     """DeepSpeed-compatible dynamic loss scale.
 
     Args:
@@ -107,15 +113,6 @@ class DynamicLossScaler:
         self.cur_iter = 0
         self.last_overflow_iter = -1
         self.cur_hysteresis = self.delayed_shift
-
-    @property
-    def loss_scale(self) -> float:
-        """The factor the loss is multiplied by before backward."""
-        return self.cur_scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Return ``loss * loss_scale``."""
-        return loss * self.cur_scale
 
     def update_scale(self, overflow: bool) -> None:
         """Advance one step; ``overflow`` says whether this step's gradients had inf/nan."""

@@ -120,14 +120,14 @@ def main_train(argv: Sequence[str]) -> int:
         )
         return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks():
-        return _run_here(cfg, resume)
+        return run_in_this_process(cfg, resume)
     from zerotrain.launcher.local import LaunchError, LocalLaunch, launch_local, visible_gpu_count
 
     nproc = flags["nproc_per_node"] or visible_gpu_count() or 2
     write_pid(run_dir)
     try:
         if nproc == 1:
-            return _run_here(cfg, resume)
+            return run_in_this_process(cfg, resume)
         merged = cfg.write(run_dir)
         request = LocalLaunch(
             target="zerotrain.train.worker", target_args=(str(merged), "--resume", str(resume)),
@@ -147,7 +147,7 @@ def _under_slurm_tasks() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
-def _run_here(cfg, resume: str) -> int:
+def run_in_this_process(cfg, resume: str) -> int:
     """Runs the trainer in this process (one rank of a launched job, or a single process)."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.train.data import DataError

@@ -85,6 +85,8 @@ class MetricsLog:
         ]
         self.tensorboard = None
         self.wandb = None
+        self.train_csv: _CsvFile | None = None
+        self.eval_csv: _CsvFile | None = None
         if not self.enabled:
             return
         self.train_csv = _CsvFile(run_dir / "metrics.csv", self.train_fields, resume_step) if section.csv else None
@@ -109,18 +111,17 @@ class MetricsLog:
             )
 
     def log_train(self, row: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        if self.train_csv is not None:
-            self.train_csv.write(row)
-        self._scalars("train", row)
+        self._log("train", self.train_csv, row)
 
     def log_eval(self, row: dict[str, Any]) -> None:
+        self._log("eval", self.eval_csv, row)
+
+    def _log(self, prefix: str, csv_file: "_CsvFile | None", row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        if self.eval_csv is not None:
-            self.eval_csv.write(row)
-        self._scalars("eval", row)
+        if csv_file is not None:
+            csv_file.write(row)
+        self._scalars(prefix, row)
 
     def _scalars(self, prefix: str, row: dict[str, Any]) -> None:
         step = row["step"]
@@ -140,7 +141,7 @@ class MetricsLog:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
-        for f in (getattr(self, "train_csv", None), getattr(self, "eval_csv", None)):
+        for f in (self.train_csv, self.eval_csv):
             if f is not None:
                 f.close()
 

@@ -69,8 +69,9 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-        zero_stage = int(((cfg.zero_dict() or {}).get("zero_optimization") or {}).get("stage", 0))
-        self.model = build_model(cfg.model, self.tokenizer, zero_init=cfg.zero_dict() if zero_stage == 3 else None)
+        zero = cfg.zero_dict()
+        zero_stage = int((zero.get("zero_optimization") or {}).get("stage", 0))
+        self.model = build_model(cfg.model, self.tokenizer, zero_init=zero if zero_stage == 3 else None)
         if wants_gradient_checkpointing(cfg):
             enable_gradient_checkpointing(self.model)
         self.data = build_data(
@@ -92,6 +93,7 @@ class Trainer:
                 log.warning(note)
         self.tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * self.world * cfg.data.seq_len
         self.state = RunState()
+        self.last_save_step: int | None = None
         if resume != "never":
             self._resume(resume)
         self.metrics = MetricsLog(
@@ -142,7 +144,7 @@ class Trainer:
                 if os.environ.get(CRASH_ENV) == str(step):
                     os.kill(os.getpid(), signal.SIGKILL)
                 progress.advance(step, last_loss, self._lr(), tokens_per_s)
-        if not stopped and not self._saved_at(self.state.step):
+        if not stopped and self.last_save_step != self.state.step:
             self._save(start)
         hf_dir = None
         if not stopped and self.cfg.output.export_hf:
@@ -252,16 +254,13 @@ class Trainer:
                          self.state.train_seconds + time.perf_counter() - start, self.batches.state_dict())
         self.engine.save_checkpoint(self.run_dir / CHECKPOINTS, tag=f"step{state.step}",
                                     client_state={"run_state": state.__dict__})
-        self._last_save = state.step
+        self.last_save_step = state.step
         keep = self.cfg.output.keep_checkpoints
         if self.rank == 0 and keep:
             tags = sorted((p for p in (self.run_dir / CHECKPOINTS).glob("step*") if p.is_dir()),
                           key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else -1)
             for old in tags[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-
-    def _saved_at(self, step: int) -> bool:
-        return getattr(self, "_last_save", None) == step
 
     def _resume(self, resume: str) -> None:
         load_dir = self.run_dir / CHECKPOINTS if resume == "auto" else Path(resume)
@@ -273,7 +272,7 @@ class Trainer:
         saved = (client or {}).get("run_state") or {}
         self.state = RunState(**saved)
         self.batches.load_state_dict(self.state.data)
-        self._last_save = self.state.step
+        self.last_save_step = self.state.step
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.state.step)
 

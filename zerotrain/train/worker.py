@@ -16,10 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", default="never", help='"auto", "never" or a checkpoint directory')
     args = parser.parse_args(argv)
 
-    from zerotrain.train.command import _run_here
+    from zerotrain.train.command import run_in_this_process
     from zerotrain.train.config import load_train_config
 
-    return _run_here(load_train_config(args.config), args.resume)
+    return run_in_this_process(load_train_config(args.config), args.resume)
 
 
 if __name__ == "__main__":
