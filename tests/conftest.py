@@ -98,3 +98,45 @@ def fixtures_dir() -> Path:
 
 # Spawned ranks import test modules by name; make tests/ importable for them.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+# --- the installed `zerotrain` console script, run as a user runs it -------------------------
+
+def zerotrain_script() -> str:
+    """The `zerotrain` console script installed beside this interpreter (the venv's bin/)."""
+    script = Path(sys.executable).parent / "zerotrain"
+    if not script.is_file():
+        pytest.fail(f"no installed console script at {script}: install zerotrain into this venv (make install)")
+    return str(script)
+
+
+class ZerotrainCLI:
+    """Runs `zerotrain ARGS` through the installed console script in a fresh process.
+
+    The working directory is a temporary folder, never the repo root, so a test
+    only passes if the command works from wherever a user happens to be.
+    """
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+
+    def __call__(self, *args, env: dict | None = None, timeout: float = 300.0, check: bool = False,
+                 cwd: Path | None = None, input: str | None = None):
+        import subprocess
+
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        proc = subprocess.run(
+            [zerotrain_script(), *map(str, args)], cwd=cwd or self.cwd, env=full_env,
+            capture_output=True, text=True, timeout=timeout, input=input,
+        )
+        if check:
+            assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        return proc
+
+
+@pytest.fixture
+def zerotrain_cli(tmp_path: Path) -> ZerotrainCLI:
+    """`zerotrain_cli("train", "--output.dir", d, check=True)`: the console script, run from tmp_path/cwd."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    return ZerotrainCLI(cwd)

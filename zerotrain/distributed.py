@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zerotrain.teardown import destroy_default_group_at_exit
+
 # torch 2.13 renamed the tensor collectives; older versions only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -70,6 +72,7 @@ def init_distributed(timeout_s: float = 1800.0) -> LaunchEnv:
     dist.init_process_group(
         backend, rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout_s), store=store
     )
+    destroy_default_group_at_exit()  # scripts may end without destroy_process_group (see teardown.py)
     return launch
 
 

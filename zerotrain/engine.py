@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from zerotrain.distributed import read_launch_env
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import build_loss_scaler
+from zerotrain.teardown import own_group
 from zerotrain.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
@@ -117,7 +118,11 @@ class Engine(nn.Module):
         self.timers = WallClockBreakdown(config.wall_clock_breakdown, device)
         # Checkpoint calls meet on a Gloo group with a timeout; creating a group is itself a
         # collective, so it happens here, where every rank is, not in the first save.
-        self._checkpoint_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
+        self._checkpoint_group_handle = own_group(dist.new_group(backend="gloo") if self.world_size > 1 else None)
+
+    @property
+    def _checkpoint_group(self):
+        return self._checkpoint_group_handle.group
 
     # --- construction --------------------------------------------------------------------
 

@@ -125,6 +125,9 @@ def _end_failed_rank(code: int) -> None:
     exception") or hang (NCCL) — then the agent never sees this rank exit and the
     job hangs. So: flush, run the atexit handlers, and leave at once.
     """
+    # Python's own record of an unhandled error: atexit hooks (zerotrain's teardown) read it
+    # and leave the process group alone, as they would after `python script.py` failed.
+    sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
     distributed = sys.modules.get("torch.distributed")
     if distributed is None or not distributed.is_available() or not distributed.is_initialized():
         sys.exit(code)

@@ -1,0 +1,42 @@
+"""How the CLI shows a user's error: one message naming what, where and the fix.
+
+A traceback buries that message, so it is shown only when asked for with
+ZEROTRAIN_DEBUG=1 (for bug reports, or when the message is not enough).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+from rich.console import Console
+from rich.markup import escape
+
+DEBUG_ENV = "ZEROTRAIN_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """True when ZEROTRAIN_DEBUG is set to anything but empty, 0, false or no."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def error_console() -> Console:
+    # soft_wrap: messages keep their own line breaks instead of being folded at 80 columns.
+    return Console(stderr=True, soft_wrap=True)
+
+
+def print_user_error(prefix: str, error: BaseException | str, console: Console | None = None) -> None:
+    """Prints "PREFIX: message" in red on stderr; with ZEROTRAIN_DEBUG=1, the traceback first."""
+    console = console or error_console()
+    if debug_enabled() and isinstance(error, BaseException):
+        console.print(escape("".join(traceback.format_exception(type(error), error, error.__traceback__))))
+    console.print(f"[red]{escape(prefix)}: {escape(str(error))}[/]")
+    if not debug_enabled() and _is_unexpected(error):
+        console.print(f"[dim](set {DEBUG_ENV}=1 for the full traceback)[/]", highlight=False)
+
+
+def _is_unexpected(error: BaseException | str) -> bool:
+    """Errors that are not the user's input (a bug, or the environment): worth a traceback hint."""
+    from zerotrain.config.errors import ConfigError
+
+    return isinstance(error, BaseException) and not isinstance(error, (ConfigError, ValueError, OSError))
