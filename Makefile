@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test bench install clean
+.PHONY: demo test stress bench install clean
 
 $(VENV)/.torch-$(firstword $(TORCH)):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# 105 runs of a DeepSpeed-style script that ends without destroy_process_group (stages 0-3,
+# offload none/cpu): every one must exit 0 with no crash at interpreter exit.
+stress: install
+	ZEROTRAIN_CLEAN_EXIT_RUNS=15 $(PY) -m pytest -q tests/test_clean_exit.py
 
 # A venv of its own (.venv-bench, never the shared test venv): the pinned torch first,
 # then zerotrain and DeepSpeed. Results go to runs/bench.{json,md}; pass harness flags with

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any, Iterable
 
 import torch
@@ -93,9 +94,16 @@ def _set_up_logging(rank: int) -> None:
     """Rank 0 reports progress (steps_per_print) on the terminal; other ranks only warnings."""
     logger = logging.getLogger("zerotrain")
     if not logger.handlers:
+        from rich.console import Console
         from rich.logging import RichHandler
 
-        logger.addHandler(RichHandler(show_path=False, show_time=False))
+        console = Console()
+        if console.is_terminal:
+            logger.addHandler(RichHandler(console=console, show_path=False, show_time=False))
+        else:  # a log file or a pipe: one line per record, never folded or padded to 80 columns
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
+            logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 

@@ -14,15 +14,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.json import JSON
 from rich.markup import escape
 
+from zerotrain.error_report import print_user_error
+
 # Exit status for a bad command line or an invalid config, as argparse uses.
 USAGE_EXIT_CODE = 2
+# Exit status for an error that is not the user's input (a bug, or the environment).
+UNEXPECTED_EXIT_CODE = 1
+# What a shell reports for a program stopped by SIGPIPE (128 + 13), as `yes | head -1` gives.
+BROKEN_PIPE_EXIT_CODE = 141
+# Top-level keys that make a YAML file a `zerotrain train` config rather than a DeepSpeed one.
+TRAIN_CONFIG_KEYS = frozenset({"inherit", "model", "data", "training", "zero", "logging", "output"})
 
 
 def _stderr() -> Console:
@@ -74,15 +85,18 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
     config = subparsers.add_parser(
-        "config", help="work with DeepSpeed config files", description="Work with DeepSpeed config files."
+        "config", help="work with DeepSpeed and zerotrain train config files",
+        description="Work with DeepSpeed and zerotrain train config files.",
     )
     config_commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
     check = config_commands.add_parser(
         "check",
         help="validate a config and print it with every value resolved",
         description="Load a DeepSpeed config (JSON, with comments allowed), resolve its \"auto\" "
-        "values for the given world size and print the result. Exits 2 with the reason when "
-        "the config is invalid.",
+        "values for the given world size and print the result. A zerotrain train YAML (sections model, "
+        "data, training, zero, logging, output, or inherit) is merged with the files it inherits, "
+        "validated and printed with every default filled in. Exits 2 with the reason when the config "
+        "is invalid.",
     )
     check.add_argument("path", metavar="PATH", help="the config file")
     check.add_argument(
@@ -101,7 +115,8 @@ def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=VALUE",
         help='value for a key the config sets to "auto", dotted, e.g. scheduler.params.total_num_steps=100; '
-        "VALUE is read as JSON when it parses (1e-3, true, [1,2]), else as a string. Repeatable.",
+        "VALUE is read as JSON when it parses (1e-3, true, [1,2]), else as a string. For a zerotrain train "
+        "YAML, any key: the same as --section.key VALUE on zerotrain train. Repeatable.",
     )
     check.set_defaults(handler=run_config_check)
 
@@ -181,7 +196,7 @@ def run_launch(args: argparse.Namespace) -> int:
     try:
         return launch_local(request)
     except LaunchError as error:
-        _stderr().print(f"[bold red]zerotrain launch:[/] {escape(str(error))}")
+        print_user_error("zerotrain launch", error)
         return USAGE_EXIT_CODE
 
 
@@ -218,15 +233,13 @@ def run_config_check(args: argparse.Namespace) -> int:
 
     console = _stderr()
     try:
+        if is_train_config(args.path):
+            return _check_train_config(args, console)
         overrides = parse_overrides(args.overrides)
-    except ValueError as error:
-        console.print(f"[bold red]zerotrain config check:[/] {escape(str(error))}")
-        return USAGE_EXIT_CODE
-    try:
         cfg = resolve_config(load_config(args.path), world_size=args.world_size, model=None, auto_values=overrides)
-    except (ConfigError, OSError) as error:
+    except (ConfigError, ValueError, OSError) as error:
         # The message is the whole story (it names the file, key and fix); a traceback would bury it.
-        console.print(f"[red]{escape(str(error))}[/]")
+        print_user_error("zerotrain config check", error, console)
         if '"auto"' in str(error):
             console.print('[dim]fill "auto" values here with --set KEY=VALUE[/]')
         return USAGE_EXIT_CODE
@@ -242,12 +255,54 @@ def run_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_train_config(path: str | os.PathLike) -> bool:
+    """Whether PATH is a `zerotrain train` YAML (its top-level keys are train sections), not a DeepSpeed config."""
+    from zerotrain.config.loader import read_config_file
+
+    file = Path(path)
+    if file.suffix.lower() not in (".yaml", ".yml") or not file.is_file():
+        return False
+    data = read_config_file(file)
+    return isinstance(data, dict) and not TRAIN_CONFIG_KEYS.isdisjoint(data)
+
+
+def _check_train_config(args: argparse.Namespace, console: Console) -> int:
+    """A `zerotrain train` YAML: merged, overridden by --set, validated; printed as YAML with defaults filled."""
+    import yaml
+
+    from zerotrain.config import ConfigError, check_supported
+    from zerotrain.train.config import load_train_config
+
+    overrides = []
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides.append(f"--{key.strip()}={value}")
+    cfg = load_train_config(args.path, overrides)
+    # What the trainer would refuse only after its workers have started: a misspelt architecture,
+    # features not built, DeepSpeed monitor sections.  Every problem is reported at once.
+    problems = []
+    if cfg.model.architecture is not None:
+        from zerotrain.train.model_checks import check_architecture
+
+        problems += _problem(check_architecture, cfg.model.architecture)
+    problems += _problem(lambda: check_supported(cfg.zero_config(), prefix="zero."))
+    if problems:
+        raise ConfigError(f"{args.path}:\n" + "\n".join(f"  {p}" for p in problems) if len(problems) > 1 else problems[0])
+    for note in cfg.notes:
+        console.print(f"[dim]{escape(note)}[/]")
+    print(yaml.safe_dump(cfg.as_dict(), sort_keys=False, allow_unicode=True), end="")
+    return 0
+
+
 def run_consolidate(args: argparse.Namespace) -> int:
     """`zerotrain consolidate`: writes the model (0), or says why the checkpoint cannot be read (2)."""
     from rich.filesize import decimal
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from zerotrain.checkpoint import CheckpointError, consolidate, export_hf
+    from zerotrain.checkpoint.errors import CorruptCheckpointError
 
     console = _stderr()
     counts = {"tensors": 0, "bytes": 0}
@@ -269,10 +324,15 @@ def run_consolidate(args: argparse.Namespace) -> int:
                 written = export_hf(
                     args.checkpoint_dir, args.output, hf_config_dir=args.hf or None, dtype=args.dtype, **common
                 )
+        except CorruptCheckpointError as error:
+            progress.stop()
+            fix = error.with_command(_consolidate_command(args, error))
+            print_user_error("zerotrain consolidate", error, console, message=fix)
+            return USAGE_EXIT_CODE
         except (CheckpointError, OSError) as error:
             # The message names the file and the fix; a traceback would bury it.
             progress.stop()
-            console.print(f"[red]zerotrain consolidate: {escape(str(error))}[/]")
+            print_user_error("zerotrain consolidate", error, console)
             return USAGE_EXIT_CODE
     names = [p.name for p in written]
     listed = ", ".join(names) if len(names) <= 4 else f"{len(names)} files ({names[0]} ... {names[-1]})"
@@ -284,9 +344,63 @@ def run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _problem(check, *args) -> list[str]:
+    """The message of the ConfigError `check(*args)` raises, as a list of none or one."""
+    from zerotrain.config import ConfigError
+
+    try:
+        check(*args)
+    except ConfigError as error:
+        return [str(error)]
+    return []
+
+
+def _consolidate_command(args: argparse.Namespace, error) -> str | None:
+    """This same `zerotrain consolidate` command, on the previous tag of the checkpoint folder."""
+    import shlex
+
+    if error.previous_tag is None:
+        return None
+    words = ["zerotrain", "consolidate", str(error.save_dir), args.output, "--tag", error.previous_tag]
+    if args.dtype:
+        words += ["--dtype", args.dtype]
+    if args.max_shard_size != _shard_size("5GB"):
+        words += ["--max-shard-size", str(args.max_shard_size)]
+    if args.hf is not None:
+        words.append(f"--hf={args.hf}" if args.hf else "--hf")
+    return shlex.join(words)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `zerotrain` console script and of `python -m zerotrain`."""
+    """Entry point of the `zerotrain` console script and of `python -m zerotrain`.
+
+    A subcommand's unexpected error is shown as one line (ZEROTRAIN_DEBUG=1 adds the
+    traceback), exit 1; output cut short by its reader (`zerotrain ... | head`) ends quietly.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
+    command = f"zerotrain {argv[0]}" if argv and not argv[0].startswith("-") else "zerotrain"
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit, so a reader that has gone away is handled below
+    except BrokenPipeError as error:
+        if not _stdout_closed():
+            print_user_error(command, error)
+            return UNEXPECTED_EXIT_CODE
+        # Python's documented recipe: point stdout at devnull so the flush at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT_CODE
+    except KeyboardInterrupt:
+        print_user_error(command, "interrupted")
+        return 130  # 128 + SIGINT, as a shell reports it
+    except Exception as error:  # noqa: BLE001 - the last stop before a traceback reaches the user
+        print_user_error(command, error)
+        return UNEXPECTED_EXIT_CODE
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         # `train` takes free-form --section.key VALUE overrides, which argparse cannot express.
         from zerotrain.train.command import main_train
@@ -295,3 +409,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.handler(args))
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader has gone away (a pipe with no reader polls as an error)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() here, or stdout is not a file
+        return True

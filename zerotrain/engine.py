@@ -1,8 +1,8 @@
 """Engine: the training loop's three calls — forward, backward, step — DeepSpeed-style.
 
     loss = engine(batch)        # forward through the wrapped module
-    engine.backward(loss)       # scale for accumulation and fp16; reduce gradients (stage 0/2)
-    engine.step()               # at the accumulation boundary: reduce (stage 1), clip, update
+    engine.backward(loss)       # scale for accumulation and fp16; reduce gradients at the boundary
+    engine.step()               # at the accumulation boundary: clip, update
 
 Everything a ZeRO stage changes lives in `zerotrain/zero/`: which buffers are
 whole or sharded (`stage.py`), how gradients are reduced (`grad_reducer.py`) and
@@ -188,8 +188,8 @@ class Engine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             if self._inside_no_sync:
                 raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): leave no_sync first")
-            if not self.plan.reduces_in_backward(True):
-                self.reducer.reduce_remaining()  # stage 1: reduce-scatter at the step
+            if self.reducer.unreduced:
+                self.reducer.reduce_remaining()  # the boundary backward ran inside no_sync(): reduce now
             if self.optimizer.step():
                 if self.lr_scheduler is not None:
                     with warnings.catch_warnings():

@@ -25,12 +25,21 @@ def error_console() -> Console:
     return Console(stderr=True, soft_wrap=True)
 
 
-def print_user_error(prefix: str, error: BaseException | str, console: Console | None = None) -> None:
-    """Prints "PREFIX: message" in red on stderr; with ZEROTRAIN_DEBUG=1, the traceback first."""
+def print_user_error(
+    prefix: str, error: BaseException | str, console: Console | None = None, *, message: str | None = None
+) -> None:
+    """Prints "PREFIX: message" in red on stderr; with ZEROTRAIN_DEBUG=1, the traceback first.
+
+    `message` replaces str(error) (e.g. the same error with a fix that fits this command).
+    An unexpected error (a bug, not the user's input) is named by its type, as a traceback would.
+    """
     console = console or error_console()
     if debug_enabled() and isinstance(error, BaseException):
         console.print(escape("".join(traceback.format_exception(type(error), error, error.__traceback__))))
-    console.print(f"[red]{escape(prefix)}: {escape(str(error))}[/]")
+    text = str(error) if message is None else message
+    if _is_unexpected(error):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    console.print(f"[red]{escape(prefix)}: {escape(text)}[/]")
     if not debug_enabled() and _is_unexpected(error):
         console.print(f"[dim](set {DEBUG_ENV}=1 for the full traceback)[/]", highlight=False)
 

@@ -141,3 +141,49 @@ def test_save_16bit_model_writes_loadable_weights(tmp_path):
     weights = load_file(tmp_path / "model.safetensors")
     for name, p in engine.module.named_parameters():
         assert torch.equal(weights[name], p.detach())
+
+
+def _save_with_disk_full_on_rank1(save_dir: str) -> dict:
+    """Saves global_step1, then global_step2 with rank 1's shard write failing with ENOSPC."""
+    import errno
+
+    import torch.distributed as dist
+
+    from zerotrain.checkpoint import saver
+
+    engine = _engine()
+    _step(engine, 0)
+    engine.save_checkpoint(save_dir)
+    _step(engine, 1)
+    real_save_file = saver.save_file
+
+    def disk_full(tensors, path, metadata=None):
+        if dist.get_rank() == 1:
+            with open(path, "wb") as f:
+                f.write(b"\0" * 1000)  # half a file, as a full disk leaves it
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_save_file(tensors, path, metadata=metadata)
+
+    saver.save_file = disk_full
+    try:
+        engine.save_checkpoint(save_dir)
+    except CheckpointError as error:
+        message = str(error)
+    else:
+        message = None
+    finally:
+        saver.save_file = real_save_file
+    path, _ = engine.load_checkpoint(save_dir)  # what a resume would load
+    return {"message": message, "loaded": path}
+
+
+def test_disk_full_during_save_keeps_the_previous_checkpoint_and_names_folder_and_bytes(tmp_path):
+    results = run_on_ranks(2, _save_with_disk_full_on_rank1, str(tmp_path))
+    for result in results:  # every rank fails the same way, none hangs
+        message = result["message"]
+        assert message is not None
+        assert str(tmp_path) in message and "global_step2" in message and "No space left" in message
+        assert "bytes" in message and "'global_step1' is intact" in message
+        assert result["loaded"].endswith("global_step1")
+    assert (tmp_path / "latest").read_text().strip() == "global_step1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest"]  # no .tmp left

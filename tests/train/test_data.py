@@ -228,7 +228,7 @@ def test_cache_skips_tokenizing_and_invalidates_on_change(tmp_path, tok, monkeyp
         return tokenize_documents(documents, tokenizer)
 
     monkeypatch.setattr(cache_module, "tokenize_documents", counting)
-    monkeypatch.setattr(cache_module, "PROGRESS_MIN_BYTES", 0)  # exercise the progress bar too
+    monkeypatch.setattr("zerotrain.train.data.tokenize_progress.QUARTER_LINES_AFTER_S", 0)  # exercise progress lines
     path = tmp_path / "train.txt"
     path.write_text("one\n\ntwo\n\nthree\n")
     cfg = data_cfg(tmp_path, path=str(path), seq_len=8)

@@ -45,13 +45,13 @@ def load_checkpoint(
         _load_weights(engine, reader)
         client_state: dict = {}
         if not load_module_only:
-            state = _load_torch_file(reader.tag_dir / STATE)
+            state = _load_torch_file(reader, reader.tag_dir / STATE)
             if load_optimizer_states:
                 _load_optimizer_state(engine, reader)
             _load_counters(engine, reader.meta)
             if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
                 engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            _load_rng(reader.tag_dir / rng_file(engine.rank), same_world=reader.meta["world_size"] == engine.world_size)
+            _load_rng(reader, reader.tag_dir / rng_file(engine.rank), same_world=reader.meta["world_size"] == engine.world_size)
             client_state = state.get("client_state", {})
         path = str(reader.tag_dir)
     coord.meet("load_checkpoint:done")
@@ -132,11 +132,11 @@ def _load_counters(engine, meta: dict) -> None:
         engine.loss_scaler.load_state_dict(meta["loss_scaler"])
 
 
-def _load_rng(path: Path, same_world: bool) -> None:
+def _load_rng(reader: CheckpointReader, path: Path, same_world: bool) -> None:
     """Restores this rank's RNG streams (only meaningful when the world size is unchanged)."""
     if not same_world or not path.is_file():
         return
-    rng = _load_torch_file(path)
+    rng = _load_torch_file(reader, path)
     torch.set_rng_state(rng["torch"])
     version, state, gauss = rng["python"]
     random.setstate((version, tuple(state), gauss))
@@ -144,10 +144,10 @@ def _load_rng(path: Path, same_world: bool) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def _load_torch_file(path: Path) -> dict:
+def _load_torch_file(reader: CheckpointReader, path: Path) -> dict:
     if not path.is_file():
-        raise CheckpointError(f"missing checkpoint file {path}")
+        raise reader.corrupt(f"missing checkpoint file {path}")
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:
-        raise CheckpointError(f"cannot read {path}: truncated, corrupt or not weights-only data ({e})") from e
+        raise reader.corrupt(f"cannot read {path}: truncated, corrupt or not weights-only data ({e})") from e

@@ -7,14 +7,16 @@ tensor at a time.
 
 from __future__ import annotations
 
+import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from zerotrain.checkpoint.errors import CheckpointError
-from zerotrain.checkpoint.layout import LATEST, MODULE, ParamSlice, read_meta, shard_file, slice_key
+from zerotrain.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from zerotrain.checkpoint.layout import FORMAT, LATEST, META, MODULE, ParamSlice, read_meta, shard_file, slice_key
 
 
 def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
@@ -43,7 +45,12 @@ class CheckpointReader:
 
     def __init__(self, load_dir: str | Path, tag: str | None = None) -> None:
         self.tag_dir = resolve_tag_dir(load_dir, tag)
-        self.meta = read_meta(self.tag_dir)
+        try:
+            self.meta = read_meta(self.tag_dir)
+        except CheckpointError as error:
+            if isinstance(error.__cause__, (ValueError, UnicodeDecodeError)):  # meta.json is there but garbled
+                raise self.corrupt(str(error)) from error
+            raise
         self.params: dict[str, dict] = self.meta["params"]
         self.kinds: list[str] = self.meta["kinds"]
         self.module_entries: dict[str, dict] = self.meta["module"]
@@ -68,11 +75,11 @@ class CheckpointReader:
         if file not in self._open_files:
             path = self.tag_dir / file
             if not path.is_file():
-                raise CheckpointError(f"missing shard file {path}")
+                raise self.corrupt(f"missing shard file {path}")
             try:
                 self._open_files[file] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"cannot read {path}: truncated or corrupt ({e})") from e
+                raise self.corrupt(f"cannot read {path}: truncated or corrupt ({e})") from e
         return self._open_files[file]
 
     def _read(self, file: str, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
@@ -82,7 +89,11 @@ class CheckpointReader:
         except CheckpointError:
             raise
         except Exception as e:
-            raise CheckpointError(f"cannot read {key!r} from {self.tag_dir / file}: truncated or corrupt ({e})") from e
+            raise self.corrupt(f"cannot read {key!r} from {self.tag_dir / file}: truncated or corrupt ({e})") from e
+
+    def corrupt(self, problem: str) -> CorruptCheckpointError:
+        """The error for a bad file of this checkpoint, pointing at the previous intact tag beside it."""
+        return CorruptCheckpointError(problem, self.tag_dir.parent, previous_tag(self.tag_dir))
 
     def numel(self, name: str) -> int:
         shape = self.params[name]["shape"]
@@ -118,3 +129,48 @@ class CheckpointReader:
     def read_module(self, name: str) -> torch.Tensor:
         """A frozen parameter or persistent buffer, stored whole by rank 0."""
         return self._read(shard_file(0), slice_key(MODULE, name, 0))
+
+
+def previous_tag(tag_dir: Path) -> str | None:
+    """The newest intact tag saved before `tag_dir` in the same folder, or None.
+
+    "Before" goes by the step meta.json records (or the number in the tag's name);
+    without either, by modification time.  Intact: meta.json reads and every shard file opens.
+    """
+    broken_step = _saved_step(tag_dir)
+    candidates = []
+    for other in tag_dir.parent.iterdir():
+        if other.name.startswith(".") or other == tag_dir or not other.is_dir():
+            continue
+        step = _saved_step(other)
+        if broken_step is not None and step is not None:
+            if step < broken_step:
+                candidates.append(((step, other.stat().st_mtime), other))
+        elif other.stat().st_mtime < tag_dir.stat().st_mtime:
+            candidates.append(((-1, other.stat().st_mtime), other))
+    for _, other in sorted(candidates, key=lambda c: c[0], reverse=True):
+        if _intact(other):
+            return other.name
+    return None
+
+
+def _saved_step(tag_dir: Path) -> int | None:
+    try:
+        return int(json.loads((tag_dir / META).read_text())["counters"]["global_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        digits = re.findall(r"\d+", tag_dir.name)
+        return int(digits[-1]) if digits else None
+
+
+def _intact(tag_dir: Path) -> bool:
+    """meta.json reads, and every shard file it lists opens (headers only: cheap at any size)."""
+    try:
+        meta = json.loads((tag_dir / META).read_text())
+        if meta.get("format") != FORMAT:
+            return False
+        for file in meta["files"]:
+            with safe_open(str(tag_dir / file), framework="pt", device="cpu"):
+                pass
+    except Exception:  # noqa: BLE001 - any failure means this tag is no fallback
+        return False
+    return True

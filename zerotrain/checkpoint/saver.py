@@ -6,10 +6,15 @@ Protocol (a process killed at any point leaves the previous checkpoint whole):
   3. rank 0 writes meta.json and state.pt there, then renames the directory to TAG;
   4. rank 0 replaces `latest` (write + fsync + os.replace) — the last change;
   5. all ranks meet again, so no rank runs ahead of a half-written checkpoint.
+
+A write that fails on any rank (a full disk, a quota) fails the save on every rank
+alike: the temporary directory is removed, `latest` still names the previous
+checkpoint, and the error says where and how many bytes the checkpoint needs.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -45,25 +50,72 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None, client
         tmp.mkdir(parents=True, exist_ok=False)
     coord.meet("save_checkpoint:mkdir")
 
-    with engine.optimizer.states_resident():  # NVMe offload: bring the state in to write it
-        index = _write_rank_files(engine, tmp)
+    index, nbytes, failure = {}, 0, None
+    try:
+        with engine.optimizer.states_resident():  # NVMe offload: bring the state in to write it
+            index, nbytes = _write_rank_files(engine, tmp)
+    except OSError as error:
+        failure = _describe_os_error(error)
     if engine.rank == 0:
         coord.pause_point("after_shards")
-    indexes = coord.gather_to_rank0(index)
+    reports = coord.gather_to_rank0((index, nbytes, failure))
+    verdict = None
     if engine.rank == 0:
-        with engine.optimizer.states_resident():
-            _write_common_files(engine, tmp, tag, indexes, client_state)
-        coord.pause_point("before_rename")
-        _move_into_place(tmp, root / tag)
-        if save_latest:
-            coord.pause_point("before_latest")
-            _atomic_write_text(root / LATEST, tag)
+        verdict = _finish_on_rank0(engine, coord, root, tmp, tag, reports, client_state, save_latest)
+    verdict = coord.from_rank0(verdict)
     coord.meet("save_checkpoint:done")
+    if verdict is not None:
+        raise CheckpointError(verdict)
     return str(root / tag)
 
 
-def _write_rank_files(engine, tmp: Path) -> dict[str, list]:
-    """This rank's slices of every bucket (fp32 master + per-element optimizer state) and RNG."""
+def _finish_on_rank0(engine, coord, root: Path, tmp: Path, tag: str, reports: list, client_state, save_latest) -> str | None:
+    """Writes the common files and publishes TAG; returns the error message if the save failed."""
+    failures = [f"rank {r}: {failure}" for r, (_, _, failure) in enumerate(reports) if failure]
+    rank_bytes = sum(nbytes for _, nbytes, _ in reports)
+    if not failures:
+        try:
+            with engine.optimizer.states_resident():
+                _write_common_files(engine, tmp, tag, [index for index, _, _ in reports], client_state)
+            coord.pause_point("before_rename")
+            _move_into_place(tmp, root / tag)
+            if save_latest:
+                coord.pause_point("before_latest")
+                _atomic_write_text(root / LATEST, tag)
+            return None
+        except OSError as error:
+            failures.append(f"rank 0: {_describe_os_error(error)}")
+    shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+    return _save_failure_message(root, tag, failures, rank_bytes)
+
+
+def _describe_os_error(error: OSError) -> str:
+    name = errno.errorcode.get(error.errno or 0, "")
+    where = f" ({error.filename})" if error.filename else ""
+    return f"{error.strerror or error}{where}" + (f" [{name}]" if name else "")
+
+
+def _save_failure_message(root: Path, tag: str, failures: list[str], needed: int) -> str:
+    from rich.filesize import decimal
+
+    try:
+        free = f"{decimal(shutil.disk_usage(root).free)} free there"
+    except OSError:
+        free = "free space unknown"
+    previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    kept = f"the previous checkpoint {previous!r} is intact and resumable" if previous else "no earlier checkpoint exists"
+    return (
+        f"could not save checkpoint {tag!r} in {root}: " + "; ".join(failures) + ". "
+        f"It needs about {decimal(needed)} ({needed:,} bytes; {free}); nothing of it was left behind and {kept}. "
+        "Free some space (or save to a larger disk) and save again."
+    )
+
+
+def _write_rank_files(engine, tmp: Path) -> tuple[dict[str, list], int]:
+    """This rank's slices of every bucket (fp32 master + per-element optimizer state) and RNG.
+
+    Returns the file index and the bytes of tensors this rank writes (for a disk-full message).
+    """
     tensors: dict[str, torch.Tensor] = {}
     entries: list = []
     inner = engine.optimizer.optimizer
@@ -81,13 +133,14 @@ def _write_rank_files(engine, tmp: Path) -> dict[str, list]:
     if engine.rank == 0:
         for name, t in module_entries(engine).items():
             tensors[slice_key(MODULE, name, 0)] = t.detach().cpu().contiguous().clone()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     path = tmp / shard_file(engine.rank)
     save_file(tensors, str(path), metadata={"format": FORMAT})
     _fsync(path)
     rng_path = tmp / rng_file(engine.rank)
     torch.save(_rng_state(), rng_path)
     _fsync(rng_path)
-    return {shard_file(engine.rank): entries}
+    return {shard_file(engine.rank): entries}, nbytes
 
 
 def module_entries(engine) -> dict[str, torch.Tensor]:

@@ -4,6 +4,12 @@ A key that parses but whose feature is missing must never be ignored silently:
 ``check_supported`` refuses the config and says what to change.  The features
 are one data table, ``NOT_YET_BUILT``; a later version that builds a feature
 deletes its row.
+
+DeepSpeed's monitor sections (``tensorboard``, ``wandb``, ``csv_monitor``, ``comet``,
+``trackio``) are a table of their own, ``MONITORS``: zerotrain's engine writes no
+metrics files by design, so switching one on is refused with what to use instead
+(the ``logging`` section of a `zerotrain train` YAML, or logging from the training
+loop).  Switched off, they are accepted silently, as every copied DeepSpeed file has them.
 """
 
 from __future__ import annotations
@@ -139,36 +145,6 @@ NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
         "set flops_profiler.enabled to false",
     ),
     NotYetBuilt(
-        "TensorBoard logging",
-        "tensorboard.enabled",
-        _when(lambda cfg: cfg.tensorboard.enabled),
-        "set tensorboard.enabled to false",
-    ),
-    NotYetBuilt(
-        "Weights & Biases logging",
-        "wandb.enabled",
-        _when(lambda cfg: cfg.wandb.enabled),
-        "set wandb.enabled to false",
-    ),
-    NotYetBuilt(
-        "CSV logging",
-        "csv_monitor.enabled",
-        _when(lambda cfg: cfg.csv_monitor.enabled),
-        "set csv_monitor.enabled to false",
-    ),
-    NotYetBuilt(
-        "Comet logging",
-        "comet.enabled",
-        _when(lambda cfg: cfg.comet.enabled),
-        "set comet.enabled to false",
-    ),
-    NotYetBuilt(
-        "Trackio logging",
-        "trackio.enabled",
-        _when(lambda cfg: cfg.trackio.enabled),
-        "set trackio.enabled to false",
-    ),
-    NotYetBuilt(
         "the autotuner",
         "autotuning.enabled",
         _when(lambda cfg: cfg.autotuning.enabled),
@@ -183,10 +159,72 @@ NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
 )
 
 
-def check_supported(cfg: ZeroTrainConfig) -> None:
+@dataclass(frozen=True)
+class Monitor:
+    """A DeepSpeed monitor section and what replaces it in zerotrain."""
+
+    section: str
+    """The DeepSpeed key, e.g. "tensorboard"."""
+    name: str
+    """What it writes to, in words."""
+    in_train: str | None
+    """The `zerotrain train` YAML setting that does the same, or None when it has none."""
+    in_loop: str
+    """What a training loop of one's own calls instead."""
+
+
+MONITORS: tuple[Monitor, ...] = (
+    Monitor(
+        "tensorboard", "TensorBoard",
+        "logging.tensorboard.enabled: true (logging.tensorboard.dir picks the folder)",
+        "torch.utils.tensorboard.SummaryWriter",
+    ),
+    Monitor(
+        "wandb", "Weights & Biases",
+        "logging.wandb.enabled: true (with logging.wandb.project, name and mode)",
+        "wandb.init and wandb.log",
+    ),
+    Monitor(
+        "csv_monitor", "CSV",
+        "logging.csv: true (on by default: <output.dir>/metrics.csv)",
+        "the csv module",
+    ),
+    Monitor("comet", "Comet", None, "comet_ml's Experiment.log_metrics"),
+    Monitor("trackio", "Trackio", None, "trackio.init and trackio.log"),
+)
+
+TRAIN_LOGGERS = "CSV, TensorBoard and Weights & Biases"
+"""What the `logging` section of a `zerotrain train` YAML writes to."""
+
+
+def monitor_problem(monitor: Monitor, prefix: str = "") -> str:
+    """Why a switched-on monitor section is refused and what to use instead.
+
+    ``prefix`` "zero." means the section sits in a `zerotrain train` YAML's ``zero``
+    section, so only the YAML's own ``logging`` section is offered.
+    """
+    key = f"{prefix}{monitor.section}"
+    head = f"{key}.enabled = true: zerotrain does not run DeepSpeed's monitors, so this section would log nothing"
+    in_yaml = f"zero.{monitor.section}"
+    if monitor.in_train is not None:
+        train = f"set {monitor.in_train} in the YAML's logging section and delete {in_yaml}"
+    else:
+        train = (
+            f"there is no {monitor.name} logger (the YAML's logging section writes to {TRAIN_LOGGERS}): "
+            f"use one of those and delete {in_yaml}"
+        )
+    if prefix:
+        return f"{head}; {train}"
+    loop = f"with zerotrain.initialize, log from your training loop ({monitor.in_loop}) and set {key}.enabled to false"
+    return f"{head}. In `zerotrain train`: {train}. {loop[0].upper()}{loop[1:]}"
+
+
+def check_supported(cfg: ZeroTrainConfig, *, prefix: str = "") -> None:
     """Raise ConfigError listing every feature ``cfg`` asks for that is not built yet.
 
     Values still "auto" are fine here: no row of the table depends on them.
+    ``prefix`` is put before every key named (``"zero."`` for the ``zero`` section of a
+    `zerotrain train` YAML, whose monitors are then pointed at that YAML's ``logging``).
     """
     problems: list[str] = []
     for row in NOT_YET_BUILT:
@@ -194,14 +232,17 @@ def check_supported(cfg: ZeroTrainConfig) -> None:
         if value is None:
             continue
         problems.append(
-            f"{row.setting} = {render_value(value)}: {row.feature} is not built yet in zerotrain "
+            f"{prefix}{row.setting} = {render_value(value)}: {row.feature} is not built yet in zerotrain "
             f"(arrives with {row.arrives_with}); {row.fix}"
         )
+    for monitor in MONITORS:
+        if getattr(cfg, monitor.section).enabled:
+            problems.append(monitor_problem(monitor, prefix))
     for key, value in cfg.other_deepspeed_keys.items():
         if _switched_on(value):
             problems.append(
-                f"{key} = {render_value(value)}: this DeepSpeed feature is not built in zerotrain; "
-                f"remove '{key}' from the config"
+                f"{prefix}{key} = {render_value(value)}: this DeepSpeed feature is not built in zerotrain; "
+                f"remove '{prefix}{key}' from the config"
             )
     if problems:
         raise ConfigError(format_problems("this config asks for features zerotrain does not build yet:", problems))

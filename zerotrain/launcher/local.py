@@ -11,7 +11,7 @@ the interface torch keeps stable across releases (2.5 through 2.13), whereas
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
+import importlib.util
 import logging
 import os
 import shutil
@@ -106,12 +106,33 @@ def check_target(launch: LocalLaunch) -> None:
         if shutil.which(launch.target) is None:
             raise LaunchError(f"program not found or not executable: {launch.target}")
     elif launch.module:
-        # Workers run with the working directory first on sys.path, as `python -m` does.
         top_level = launch.target.split(".")[0]
-        if importlib.machinery.PathFinder.find_spec(top_level, [os.getcwd(), *sys.path]) is None:
-            raise LaunchError(f"no module named {top_level!r} (looked in the working directory and sys.path)")
+        if not module_importable(top_level):
+            raise LaunchError(
+                f"no module named {top_level!r}: not in the working directory ({os.getcwd()}) nor installed in "
+                f"this Python ({sys.executable}); run from the folder that holds it, or pip install it"
+            )
     elif not os.path.isfile(launch.target):
         raise LaunchError(f"script not found: {launch.target}")
+
+
+def module_importable(name: str) -> bool:
+    """Whether `python -m NAME` started here would find NAME, as the worker will look for it.
+
+    Asks the full import system, so editable installs (whose finders live on sys.meta_path,
+    invisible to a sys.path scan) are found, with the working directory first as `python -m` puts it.
+    """
+    if name in sys.modules:
+        return True
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path[:] = saved
+        importlib.invalidate_caches()
 
 
 def torchrun_argv(launch: LocalLaunch, nproc: int, master_port: int) -> list[str]:
@@ -186,12 +207,14 @@ def _worker_environment(nproc: int, failure_times_dir: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def launch_local(launch: LocalLaunch, console: Console | None = None) -> int:
+def launch_local(launch: LocalLaunch, console: Console | None = None, quiet_interrupt: bool = False) -> int:
     """Runs `launch` as `nproc` local worker processes and returns the job's exit status.
 
     0 when every rank exits 0; the first failing rank's exit code (or 1) when one
     fails, after the agent has stopped the others; 130 on Ctrl-C. Raises
-    LaunchError for a bad request, before anything starts.
+    LaunchError for a bad request, before anything starts. `quiet_interrupt`: the
+    workers report a Ctrl-C/SIGTERM themselves (`zerotrain train` checkpoints and
+    says how to resume), so the launcher adds no line of its own.
     """
     console = console or Console(stderr=True)
     check_target(launch)
@@ -215,13 +238,17 @@ def launch_local(launch: LocalLaunch, console: Console | None = None) -> int:
         with _worker_environment(nproc, failure_times_dir), _quiet_agent_logs():
             run(parse_args(torchrun_argv(launch, nproc, master_port)))
     except ChildFailedError as error:
+        codes = {failure.exitcode for failure in (getattr(error, "failures", None) or {}).values()}
+        if quiet_interrupt and codes == {bootstrap.INTERRUPTED_EXIT_CODE}:
+            return bootstrap.INTERRUPTED_EXIT_CODE  # every rank stopped cleanly on a signal and said so
         return report_failure(error, console, read_failure_times(failure_times_dir))
     except (SignalException, KeyboardInterrupt) as error:
         # The agent has already stopped every worker with the same signal.
         sigval = getattr(error, "sigval", signal.SIGINT)
-        code = 128 + int(sigval)
+        if quiet_interrupt:
+            return bootstrap.INTERRUPTED_EXIT_CODE
         console.print(f"[yellow]zerotrain launch: interrupted ({signal.Signals(sigval).name}), all ranks stopped[/]")
-        return code
+        return 128 + int(sigval)
     except Exception as error:  # noqa: BLE001 - e.g. the rendezvous port was taken meanwhile
         console.print(f"[bold red]zerotrain launch: could not run the workers:[/] {escape(repr(error))}")
         return 1

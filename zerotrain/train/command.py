@@ -25,7 +25,7 @@ from rich.table import Table
 
 USAGE_EXIT_CODE = 2
 TRAIN_USAGE = (
-    "zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--resume] [--detach] [--section.key VALUE ...]"
+    "zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--resume | --overwrite] [--detach] [--section.key VALUE ...]"
 )
 TRAIN_HELP = f"""usage: {TRAIN_USAGE}
 
@@ -38,15 +38,24 @@ Llama learning a generated arithmetic language on this machine.
                         --zero.zero_optimization.stage 3 (VALUE is read as YAML)
   --nproc_per_node N    processes on this machine (default: every GPU, or 2 without GPUs)
   --resume              continue from the newest checkpoint in output.dir
+  --overwrite           start again in an output.dir that holds a run (deletes its
+                        checkpoints and metrics); without it such a folder is refused
   --detach              run in the background (survives the terminal closing); then
                         `zerotrain logs RUN_DIR -f` and `zerotrain stop RUN_DIR`
+
+Ctrl-C (or SIGTERM) stops after the current step with a checkpoint; resume with --resume.
+ZEROTRAIN_DEBUG=1 shows full tracebacks.
 """
+# How long `--detach` waits for every rank to be up before it reports the run started.
+DETACH_START_TIMEOUT_S = 600.0
+# Exit status of a run stopped by Ctrl-C or SIGTERM (after its checkpoint), as a shell reports Ctrl-C.
+INTERRUPTED_EXIT_CODE = 130
 
 
 def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
     """(config path, trainer flags, override tokens) from `zerotrain train`'s arguments."""
     config: str | None = None
-    flags: dict = {"nproc_per_node": None, "resume": False, "detach": False, "help": False}
+    flags: dict = {"nproc_per_node": None, "resume": False, "overwrite": False, "detach": False, "help": False}
     overrides: list[str] = []
     args = list(argv)
     i = 0
@@ -60,7 +69,7 @@ def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"{name} needs a positive number of processes, got {value!r}")
             flags["nproc_per_node"] = int(value)
-        elif token in ("--resume", "--detach"):
+        elif token in ("--resume", "--overwrite", "--detach"):
             flags[token[2:]] = True
         elif token.startswith("--") and "." in name:
             overrides.append(token)
@@ -90,36 +99,50 @@ def _flag_value(args: list[str], i: int, name: str) -> tuple[str, int]:
 
 def main_train(argv: Sequence[str]) -> int:
     """`zerotrain train`: returns the exit status."""
-    from zerotrain.config.errors import ConfigError
-    from zerotrain.train.config import load_train_config
-    from zerotrain.train.run_control import RunControlError, clear_pid, detach, write_pid
+    try:
+        return _main_train(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before training started (or pressed again to force): nothing to save.
+        Console(stderr=True).print("[yellow]zerotrain train: interrupted[/]")
+        return INTERRUPTED_EXIT_CODE
 
-    err = Console(stderr=True, soft_wrap=True)
+
+def _main_train(argv: Sequence[str]) -> int:
+    from zerotrain.config.errors import ConfigError
+    from zerotrain.error_report import print_user_error
+    from zerotrain.train.config import load_train_config
+    from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
+    from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
+
     try:
         config, flags, overrides = split_train_argv(argv)
         if flags["help"]:
             print(TRAIN_HELP)
             return 0
         cfg = load_train_config(config, overrides)
+        resume = "auto" if flags["resume"] else cfg.training.resume
+        run_dir = Path(cfg.output.dir)
+        under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks()
+        if not under_launcher:
+            check_no_live_run(run_dir, own_pid=os.getpid())
+        check_can_start(run_dir, resume, flags["overwrite"], config)
+        resolve_resume(resume, run_dir)  # a bad training.resume fails now, not after start-up
     except (ValueError, ConfigError) as error:
-        err.print(f"[red]zerotrain train: {escape(str(error))}[/]")
+        print_user_error("zerotrain train", error)
         return USAGE_EXIT_CODE
-    resume = "auto" if flags["resume"] else cfg.training.resume
-    run_dir = Path(cfg.output.dir)
     if flags["detach"]:
         try:
-            pid = detach(run_dir, [a for a in argv if a != "--detach"])
+            return _detach(run_dir, [a for a in argv if a != "--detach"])
         except RunControlError as error:
-            err.print(f"[red]zerotrain train: {escape(str(error))}[/]")
+            print_user_error("zerotrain train", error)
             return 1
-        Console(soft_wrap=True).print(
-            f"started in the background (pid {pid}); it keeps running if this terminal closes\n"
-            f"  log:    {escape(str(run_dir / 'train.log'))}\n"
-            f"  follow: zerotrain logs {escape(str(run_dir))} -f\n"
-            f"  stop:   zerotrain stop {escape(str(run_dir))}   (checkpoints first)"
-        )
-        return 0
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks():
+    if flags["overwrite"] and os.environ.get("RANK", "0") == "0":
+        removed = clear_previous_run(run_dir)
+        if removed:
+            Console(stderr=True, soft_wrap=True).print(
+                f"[yellow]--overwrite: removed the earlier run's {', '.join(removed)} from {escape(str(run_dir))}[/]"
+            )
+    if under_launcher:
         return run_in_this_process(cfg, resume)
     from zerotrain.launcher.local import LaunchError, LocalLaunch, launch_local, visible_gpu_count
 
@@ -134,12 +157,39 @@ def main_train(argv: Sequence[str]) -> int:
             nproc=nproc, module=True, local_rank_arg=False,
         )
         try:
-            return launch_local(request, err)
+            code = launch_local(request, Console(stderr=True, soft_wrap=True), quiet_interrupt=True)
         except LaunchError as error:
-            err.print(f"[red]zerotrain train: {escape(str(error))}[/]")
+            print_user_error("zerotrain train", error)
             return USAGE_EXIT_CODE
+        return code
     finally:
         clear_pid(run_dir)
+
+
+def _detach(run_dir: Path, argv: list[str]) -> int:
+    """Starts the run in the background and reports it started only once every rank is up."""
+    from zerotrain.train.run_control import detach, log_tail, wait_until_started
+
+    out = Console(soft_wrap=True)
+    child = detach(run_dir, argv)
+    log = run_dir / "train.log"
+    with Console(stderr=True).status(f"starting in the background (pid {child.pid}); waiting for every rank"):
+        code = wait_until_started(run_dir, child, DETACH_START_TIMEOUT_S)
+    if code is not None:
+        err = Console(stderr=True, soft_wrap=True)
+        err.print(f"[red]zerotrain train: the detached run exited with status {code} before it started training. "
+                  f"Its log ({escape(str(log))}) ends with:[/]")
+        err.print(escape(log_tail(run_dir)), highlight=False)
+        return code or 1
+    started = (run_dir / "train.started").exists()
+    out.print(
+        f"{'started' if started else 'still starting'} in the background (pid {child.pid}); "
+        "it keeps running if this terminal closes\n"
+        f"  log:    {escape(str(log))}\n"
+        f"  follow: zerotrain logs {escape(str(run_dir))} -f\n"
+        f"  stop:   zerotrain stop {escape(str(run_dir))}   (checkpoints first)"
+    )
+    return 0
 
 
 def _under_slurm_tasks() -> bool:
@@ -149,18 +199,30 @@ def _under_slurm_tasks() -> bool:
 
 def run_in_this_process(cfg, resume: str) -> int:
     """Runs the trainer in this process (one rank of a launched job, or a single process)."""
+    from zerotrain.checkpoint.errors import CheckpointError
     from zerotrain.config.errors import ConfigError
+    from zerotrain.error_report import print_user_error
     from zerotrain.train.data import DataError
     from zerotrain.train.trainer import Trainer
 
+    rank = os.environ.get("RANK", "0")
     try:
         trainer = Trainer(cfg, resume=resume)
+        summary = trainer.run()
     except (ConfigError, DataError) as error:
         # A problem with the user's config or data: the message names it and the fix; a traceback would bury it.
-        rank = os.environ.get("RANK", "0")
-        Console(stderr=True, soft_wrap=True).print(f"[red]zerotrain train (rank {rank}): {escape(str(error))}[/]")
+        print_user_error(f"zerotrain train (rank {rank})", error)
         return USAGE_EXIT_CODE
-    summary = trainer.run()
+    except CheckpointError as error:
+        print_user_error(f"zerotrain train (rank {rank})", error)
+        return 1
+    if summary["status"] == "stopped" and summary["stopped_by"] in ("SIGINT", "SIGTERM"):
+        if trainer.rank == 0:
+            Console(soft_wrap=True).print(
+                f"stopped at step {summary['steps']} ({summary['stopped_by']}); checkpoint saved; resume with: "
+                f"zerotrain train {escape(str(Path(cfg.output.dir) / 'config.yaml'))} --resume"
+            )
+        return INTERRUPTED_EXIT_CODE
     if trainer.rank == 0:
         print_summary(summary, Console(soft_wrap=True))
     return 0

@@ -1,7 +1,10 @@
 """Where a run's numbers go: the terminal, metrics.csv, TensorBoard and Weights & Biases.
 
 Only rank 0 writes. Every rank reports its own memory, gathered at each logging
-step, so the CSV answers "how much memory did it place on each GPU". The CSV is
+step, so the CSV answers "how much memory did it place on each GPU": what the
+process holds (the CUDA allocator's figures, or RSS on a CPU) and, beside it, the
+model states ZeRO partitions (parameters, gradients, optimizer states and buffers,
+measured from the tensors), which show what each stage saves. The CSV is
 appended to on resume, after dropping rows past the step the run resumed from,
 so a resumed run's file reads as if it had never stopped.
 """
@@ -13,6 +16,7 @@ import math
 import os
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,9 @@ import torch.distributed as dist
 TRAIN_FIELDS = [
     "step", "epoch", "loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
     "samples_per_s", "tokens_per_s", "tflops", "mfu", "elapsed_s",
-]  # then mem_alloc_gb_r{R} and mem_peak_gb_r{R} for every rank
+]  # then the MEMORY_KINDS columns of every rank: mem_alloc_gb_r0, mem_peak_gb_r0, ..., mem_alloc_gb_r1, ...
+# Per rank, GiB: the process (allocated now, peak) and the model states it holds.
+MEMORY_KINDS = ("alloc", "peak", "params", "grads", "optim", "buffers", "model_states")
 EVAL_FIELDS = ["step", "eval_loss", "eval_ppl", "elapsed_s"]
 
 # Dense peak TFLOP/s per device for (16-bit, fp32/tf32) math; MFU is left blank for others.
@@ -49,29 +55,134 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
     return None
 
 
+_GIB = float(1 << 30)
+_peak_seen = 0.0  # this process's highest reading so far: the peak reported never falls below a current one
+
+
 def memory_of_this_rank(device: torch.device) -> tuple[float, float]:
-    """(allocated, peak) in GiB: the CUDA caching allocator's figures, or the process RSS on a CPU."""
-    gib = float(1 << 30)
+    """(allocated, peak) in GiB: the CUDA caching allocator's figures, or the process RSS on a CPU.
+
+    On a CPU the two come from different counters read at different moments (current RSS
+    from /proc/self/statm, the peak from getrusage), so the peak is raised to at least the
+    current figure and to every earlier reading: a report never shows current above peak.
+    """
+    global _peak_seen
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / gib, torch.cuda.max_memory_allocated(device) / gib
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak = peak_kib * (1 if sys.platform == "darwin" else 1024) / gib  # macOS reports bytes
-    try:
-        with open("/proc/self/statm") as f:
-            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / gib
-    except OSError:
-        current = math.nan
-    return current, peak
+        current = torch.cuda.memory_allocated(device) / _GIB
+        peak = torch.cuda.max_memory_allocated(device) / _GIB
+    else:
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak_kib * (1 if sys.platform == "darwin" else 1024) / _GIB  # macOS reports bytes
+        try:
+            with open("/proc/self/statm") as f:
+                current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / _GIB
+        except OSError:
+            current = math.nan
+    if not math.isnan(current):
+        peak = max(peak, current)
+    _peak_seen = max(_peak_seen, peak)
+    return current, _peak_seen
 
 
-def gather_memory(device: torch.device) -> list[tuple[float, float]]:
-    """Every rank's (allocated, peak) GiB, in rank order (a collective: all ranks call it)."""
-    mine = memory_of_this_rank(device)
+def model_state_bytes(engine: Any) -> dict[str, int]:
+    """Bytes of model states this rank holds now: params, grads, optim (fp32 masters and
+    optimizer state) and buffers, from `engine.memory_breakdown()` plus the module's buffers."""
+    held = engine.memory_breakdown()
+    storages: dict[int, int] = {}  # buffers may share storage (a view registered twice): count it once
+    for buffer in engine.module.buffers():
+        if buffer.device.type != "meta":
+            storage = buffer.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return {
+        "params": held.get("params", 0),
+        "grads": held.get("grads", 0),
+        "optim": held.get("master", 0) + held.get("optimizer_state", 0) + held.get("optimizer_scalars", 0),
+        "buffers": sum(storages.values()),
+    }
+
+
+@dataclass
+class RankMemory:
+    """One rank's memory at a logging step, in GiB."""
+
+    alloc: float
+    peak: float
+    params: float = math.nan
+    grads: float = math.nan
+    optim: float = math.nan
+    buffers: float = math.nan
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optim + self.buffers
+
+    def columns(self, rank: int) -> dict[str, float]:
+        """This rank's metrics.csv cells (`mem_<kind>_gb_r<rank>`)."""
+        return {f"mem_{kind}_gb_r{rank}": getattr(self, kind) for kind in MEMORY_KINDS}
+
+
+def gather_memory(device: torch.device, engine: Any = None) -> list[RankMemory]:
+    """Every rank's memory, in rank order (a collective: all ranks call it, once per logging step).
+
+    Without an engine only the process figures are filled in.
+    """
+    alloc, peak = memory_of_this_rank(device)
+    states = {k: v / _GIB for k, v in model_state_bytes(engine).items()} if engine is not None else {}
+    mine = RankMemory(alloc, peak, **states)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [mine]
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every
+
+
+def describe_memory(memory: list[RankMemory], device_type: str) -> str:
+    """The terminal's memory summary: per rank, the model states held, then the process's now/peak."""
+    process = "alloc" if device_type == "cuda" else "RSS"
+    return "; ".join(
+        f"r{r} model states {_size(m.model_states)}, {process} now {m.alloc:.2f} peak {m.peak:.2f} GiB"
+        for r, m in enumerate(memory)
+    )
+
+
+def _size(gib: float) -> str:
+    if math.isnan(gib):
+        return "-"
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
+# The package each optional sink needs, and the command that installs it.
+SINK_PACKAGES = {
+    "logging.tensorboard.enabled": ("torch.utils.tensorboard", "pip install 'zerotrain[tensorboard]'"),
+    "logging.wandb.enabled": ("wandb", "pip install wandb"),
+}
+
+
+def check_sink_packages(section: Any) -> None:
+    """Raises ConfigError, naming the key and the pip command, when an enabled sink's package is missing.
+
+    Cheap to call early (before the model is built): it imports only the enabled sinks' packages.
+    """
+    enabled = {"logging.tensorboard.enabled": section.tensorboard.enabled, "logging.wandb.enabled": section.wandb.enabled}
+    for key, on in enabled.items():
+        if on:
+            _import_sink(key, SINK_PACKAGES[key][0])
+
+
+def _import_sink(key: str, module: str, attribute: str | None = None) -> Any:
+    import importlib
+
+    from zerotrain.config.errors import ConfigError
+
+    try:
+        imported = importlib.import_module(module)
+        return getattr(imported, attribute) if attribute else imported
+    except ImportError as error:
+        command = SINK_PACKAGES[key][1]
+        raise ConfigError(
+            f"{key} is true but {module} cannot be imported ({error}): install it with `{command}`, "
+            f"or set {key}: false"
+        ) from None
 
 
 class MetricsLog:
@@ -80,31 +191,22 @@ class MetricsLog:
     def __init__(self, section: Any, run_dir: Path, *, rank: int, world_size: int, resume_step: int, run_config: dict):
         self.enabled = rank == 0
         self.world_size = world_size
-        self.train_fields = TRAIN_FIELDS + [
-            f"mem_{kind}_gb_r{r}" for r in range(world_size) for kind in ("alloc", "peak")
-        ]
+        self.train_fields = TRAIN_FIELDS + [f"mem_{kind}_gb_r{r}" for r in range(world_size) for kind in MEMORY_KINDS]
         self.tensorboard = None
         self.wandb = None
         self.train_csv: _CsvFile | None = None
         self.eval_csv: _CsvFile | None = None
+        check_sink_packages(section)  # on every rank, so all of them stop, not only rank 0
         if not self.enabled:
             return
         self.train_csv = _CsvFile(run_dir / "metrics.csv", self.train_fields, resume_step) if section.csv else None
         self.eval_csv = _CsvFile(run_dir / "eval.csv", EVAL_FIELDS, resume_step) if section.csv else None
         if section.tensorboard.enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ImportError(
-                    "logging.tensorboard.enabled needs the tensorboard package: pip install 'zerotrain[tensorboard]'"
-                ) from None
+            SummaryWriter = _import_sink("logging.tensorboard.enabled", "torch.utils.tensorboard", "SummaryWriter")
             self.tensorboard = SummaryWriter(log_dir=str(section.tensorboard.dir or run_dir / "tensorboard"),
                                              purge_step=resume_step + 1 if resume_step else None)
         if section.wandb.enabled:
-            try:
-                import wandb
-            except ImportError:
-                raise ImportError("logging.wandb.enabled needs the wandb package: pip install wandb") from None
+            wandb = _import_sink("logging.wandb.enabled", "wandb")
             self.wandb = wandb.init(  # once, on rank 0 only
                 project=section.wandb.project, name=section.wandb.name, mode=section.wandb.mode,
                 dir=str(run_dir), config=run_config, resume="allow",

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from zerotrain.config.errors import ConfigError
+from zerotrain.train.model_checks import check_architecture, check_buildable, check_sizes, unbuildable, unloadable
 
 
 def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) -> nn.Module:
@@ -37,9 +38,12 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
                 f"model.path: {path} is not a Hugging Face model directory (no config.json there); "
                 "point it at a directory written by save_pretrained, or use model.config / model.architecture"
             )
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, trust_remote_code=remote, **_fp32()
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, trust_remote_code=remote, **_fp32()
+            )
+        except Exception as error:  # noqa: BLE001 - a bad directory fails in many ways; say which file
+            raise unloadable(error, path) from error
         _check_vocab(model.config, tokenizer, "model.path")
         return model
     overrides = dict(section.config_overrides or {})
@@ -47,21 +51,24 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
         source = Path(section.config).expanduser()
         if not source.exists():
             raise ConfigError(f"model.config: {source} does not exist; give a config.json or a directory holding one")
-        hf_config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=remote, **overrides)
+        try:
+            hf_config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=remote, **overrides)
+        except Exception as error:  # noqa: BLE001 - an unreadable or invalid config.json
+            raise unbuildable(error, section) from error
     else:
+        check_architecture(section.architecture)
         try:
             hf_config = AutoConfig.for_model(section.architecture, **overrides)
-        except ValueError as err:
-            raise ConfigError(
-                f"model.architecture: {section.architecture!r} is not a model type transformers knows "
-                f"({err}); use a model_type such as llama, mistral, qwen2 or gpt2"
-            ) from None
+        except Exception as error:  # noqa: BLE001 - transformers' config validation raises several types
+            raise unbuildable(error, section) from error
     if "vocab_size" not in overrides:
         hf_config.vocab_size = len(tokenizer)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is not None and name not in overrides:
             setattr(hf_config, name, getattr(tokenizer, name))
     _check_vocab(hf_config, tokenizer, "model.config_overrides.vocab_size")
+    check_sizes(hf_config, section)
+    check_buildable(hf_config, section)
     if zero_init is not None:
         from zerotrain.zero import Init
 

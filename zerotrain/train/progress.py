@@ -1,7 +1,8 @@
 """Rank 0's progress bar: step, loss, lr, tokens/s and ETA, with metrics lines printed above it.
 
-Other ranks get a disabled bar. Without a terminal (a detached run writing train.log)
-rich draws no live bar; the metrics lines still go to the log, one per line.
+Other ranks get a disabled bar. Without a terminal (a detached run writing train.log,
+a pipe, captured output) there is no bar at all, not even a final one: the metrics
+lines still go to the output, each whole on one line.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ class TrainingProgress:
     """A context manager around rich's Progress, tolerant of being disabled."""
 
     def __init__(self, rank0: bool, bar: bool, total_steps: int, done_steps: int) -> None:
-        enabled = rank0 and bar
-        self.enabled = enabled
         self._console = self.console()
+        # logging.progress_bar asks for a bar in a terminal; rich would print its last frame into a file.
+        enabled = rank0 and bar and self._console.is_terminal
+        self.enabled = enabled
         self._printing = rank0
         self.progress = Progress(
             TextColumn("[bold]train"),

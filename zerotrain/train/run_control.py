@@ -4,6 +4,7 @@ A run directory holds what these commands share:
 
     train.log   everything the run prints (written by the detached process)
     train.pid   the pid of the top `zerotrain train` process while it runs
+    train.started  written once every rank is up (engine built); `--detach` waits for it
     STOP        present when a stop was asked for; the trainer checkpoints and exits
 
 `--detach` starts the run in a new session (no controlling terminal, so closing
@@ -21,7 +22,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-LOG_NAME, PID_NAME, STOP_NAME = "train.log", "train.pid", "STOP"
+LOG_NAME, PID_NAME, STOP_NAME, STARTED_NAME = "train.log", "train.pid", "STOP", "train.started"
+# A second Ctrl-C this long after the first stops at once, without the checkpoint. Sooner
+# ones are the same keypress reaching us twice (the launcher forwards it to every rank).
+FORCE_AFTER_S = 2.0
 
 
 class RunControlError(Exception):
@@ -76,8 +80,8 @@ def clear_pid(run_dir: Path) -> None:
         pass
 
 
-def detach(run_dir: Path, train_argv: Sequence[str]) -> int:
-    """Starts `zerotrain train ARGV` in the background, output to run_dir/train.log; returns its pid."""
+def detach(run_dir: Path, train_argv: Sequence[str]) -> subprocess.Popen:
+    """Starts `zerotrain train ARGV` in the background, output to run_dir/train.log; returns the process."""
     active = running_pid(run_dir)
     if active is not None:
         raise RunControlError(
@@ -86,6 +90,7 @@ def detach(run_dir: Path, train_argv: Sequence[str]) -> int:
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / STOP_NAME).unlink(missing_ok=True)
+    (run_dir / STARTED_NAME).unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZEROTRAIN_DETACHED": "1"}
     with open(run_dir / LOG_NAME, "ab") as log:
         child = subprocess.Popen(  # an argv list, never a shell string: nothing is interpreted
@@ -94,7 +99,35 @@ def detach(run_dir: Path, train_argv: Sequence[str]) -> int:
             start_new_session=True, env=env, close_fds=True,
         )
     write_pid(run_dir, child.pid)
-    return child.pid
+    return child
+
+
+def mark_started(run_dir: Path) -> None:
+    """Called by rank 0 once every rank has built its engine: the run is up."""
+    (run_dir / STARTED_NAME).write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+
+
+def wait_until_started(run_dir: Path, child: subprocess.Popen, timeout_s: float, poll_s: float = 0.2) -> int | None:
+    """Waits for the detached run to be up; returns None once it is (or still starting at
+    `timeout_s`), or its exit status if it ended first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = child.poll()
+        if code is not None:
+            return code
+        if (run_dir / STARTED_NAME).exists():
+            return None
+        time.sleep(poll_s)
+    return None
+
+
+def log_tail(run_dir: Path, lines: int = 25) -> str:
+    """The last lines of run_dir/train.log (what a failed detached start printed)."""
+    try:
+        text = (run_dir / LOG_NAME).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
 def follow_log(run_dir: Path, follow: bool, out=None, poll_s: float = 0.5) -> int:
@@ -143,18 +176,40 @@ def request_stop(run_dir: Path, wait_s: float = 600.0, on_wait=None) -> bool:
 
 
 class StopSignal:
-    """Turns SIGTERM (e.g. Slurm's pre-emption notice) and the STOP file into one stop request."""
+    """Turns Ctrl-C, SIGTERM (e.g. Slurm's pre-emption notice) and the STOP file into one stop request.
+
+    The trainer finishes the step in progress, checkpoints and exits. `arm()` installs the
+    handlers once training starts: before that, Ctrl-C interrupts at once (nothing to save).
+    """
 
     def __init__(self, run_dir: Path) -> None:
         self.stop_file = run_dir / STOP_NAME
-        self.signalled = False
-        try:
-            signal.signal(signal.SIGTERM, self._on_signal)
-        except ValueError:
-            pass  # not the main thread (e.g. under a test runner): the STOP file still works
+        self.signal_name: str | None = None  # "SIGINT" / "SIGTERM" once one arrived
+        self._first_at: float | None = None
+        self._previous: dict = {}
+
+    def arm(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:
+                pass  # not the main thread (e.g. under a test runner): the STOP file still works
+
+    def disarm(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
     def _on_signal(self, signum, frame) -> None:
-        self.signalled = True
+        now = time.monotonic()
+        if self._first_at is None:
+            self._first_at, self.signal_name = now, signal.Signals(signum).name
+        elif now - self._first_at > FORCE_AFTER_S and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked again: stop now, without waiting for the checkpoint
+
+    @property
+    def signalled(self) -> bool:
+        return self.signal_name is not None
 
     def requested_here(self) -> bool:
         return self.signalled or self.stop_file.exists()

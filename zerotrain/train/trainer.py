@@ -27,16 +27,18 @@ import torch.distributed as dist
 
 import zerotrain
 from zerotrain.distributed import device_for, init_distributed
-from zerotrain.train.metrics import MetricsLog, gather_memory, peak_tflops
+from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory, peak_tflops
 from zerotrain.train.model import build_model, decay_groups, enable_gradient_checkpointing, max_positions
 from zerotrain.train.progress import TrainingProgress
-from zerotrain.train.run_control import StopSignal
+from zerotrain.train.run_control import StopSignal, mark_started
+from zerotrain.train.run_folder import resolve_resume, tags_to_prune
 
 log = logging.getLogger("zerotrain")
 # Tests simulate a crash (every rank SIGKILLed right after this step) to check resumption.
 CRASH_ENV = "ZEROTRAIN_TEST_CRASH_AFTER_STEP"
 CHECKPOINTS = "checkpoints"
 HF_DIR = "hf"
+TOKENIZER_DIR = "tokenizer"  # beside the tags in the checkpoints folder
 
 
 @dataclass
@@ -47,6 +49,10 @@ class RunState:
     tokens: int = 0
     train_seconds: float = 0.0  # training wall time before this process started
     data: dict = field(default_factory=dict)
+    # The plan the steps were taken under, so a resume that changes it can say so.
+    global_batch: int = 0
+    total_steps: int = 0
+    schedule: dict = field(default_factory=dict)
 
 
 class Trainer:
@@ -94,18 +100,32 @@ class Trainer:
         self.tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * self.world * cfg.data.seq_len
         self.state = RunState()
         self.last_save_step: int | None = None
-        if resume != "never":
-            self._resume(resume)
+        self.written_tags: list[str] = []  # tags output.keep_checkpoints may prune
+        resume_point = resolve_resume(resume, self.run_dir)
+        if resume_point is not None:
+            self._resume(resume_point)
+        elif resume == "auto" and self.rank == 0:
+            log.info("no checkpoint in %s yet: starting from step 0", self.run_dir / CHECKPOINTS)
         self.metrics = MetricsLog(
             cfg.logging, self.run_dir, rank=self.rank, world_size=self.world,
             resume_step=self.state.step, run_config=cfg.as_dict(),
         )
         self.peak = peak_tflops(self.device, self.engine.compute_dtype)
         self.flops_per_step: float | None = None  # this rank's, counted on the first micro-batch
+        if self.rank == 0:
+            mark_started(self.run_dir)  # every rank has built its engine: `--detach` may report started
 
     # --- the loop --------------------------------------------------------------------------
 
     def run(self) -> dict:
+        """Trains to the end, or until a stop request (Ctrl-C, SIGTERM, `zerotrain stop`); returns the summary."""
+        self.stop.arm()
+        try:
+            return self._run()
+        finally:
+            self.stop.disarm()
+
+    def _run(self) -> dict:
         t = self.cfg.training
         engine = self.engine
         engine.train()
@@ -152,6 +172,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         summary = {
             "status": "stopped" if stopped else "finished",
+            "stopped_by": (self.stop.signal_name or "zerotrain stop") if stopped else None,
             "steps": self.state.step,
             "steps_this_run": self.state.step - first_step,
             "tokens": self.state.tokens,
@@ -195,7 +216,7 @@ class Trainer:
 
     def _log_train(self, window: "_Window", start: float, progress: "TrainingProgress") -> float:
         loss = window.mean_loss(self.world)  # a collective: every rank
-        memory = gather_memory(self.device)
+        memory = gather_memory(self.device, self.engine)
         seconds = max(time.perf_counter() - window.started, 1e-9)
         steps = self.state.step - window.first_step
         step_s = seconds / max(steps, 1)
@@ -215,10 +236,10 @@ class Trainer:
             "mfu": tflops / self.peak if self.peak else math.nan,
             "elapsed_s": self.state.train_seconds + time.perf_counter() - start,
         }
-        for r, (alloc, peak) in enumerate(memory):
-            row[f"mem_alloc_gb_r{r}"], row[f"mem_peak_gb_r{r}"] = alloc, peak
+        for r, rank_memory in enumerate(memory):
+            row.update(rank_memory.columns(r))
         self.metrics.log_train(row)
-        progress.note(_describe(row, memory, fp16=scaler is not None))
+        progress.note(_describe(row, describe_memory(memory, self.device.type), fp16=scaler is not None))
         return loss
 
     # --- evaluation ------------------------------------------------------------------------
@@ -250,31 +271,48 @@ class Trainer:
     # --- checkpoints, stop, export ------------------------------------------------------------
 
     def _save(self, start: float) -> None:
+        checkpoints = self.run_dir / CHECKPOINTS
         state = RunState(self.state.step, self.state.tokens,
-                         self.state.train_seconds + time.perf_counter() - start, self.batches.state_dict())
-        self.engine.save_checkpoint(self.run_dir / CHECKPOINTS, tag=f"step{state.step}",
-                                    client_state={"run_state": state.__dict__})
+                         self.state.train_seconds + time.perf_counter() - start, self.batches.state_dict(),
+                         **self._plan())
+        tag = f"step{state.step}"
+        self.engine.save_checkpoint(checkpoints, tag=tag, client_state={"run_state": state.__dict__})
         self.last_save_step = state.step
-        keep = self.cfg.output.keep_checkpoints
-        if self.rank == 0 and keep:
-            tags = sorted((p for p in (self.run_dir / CHECKPOINTS).glob("step*") if p.is_dir()),
-                          key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else -1)
-            for old in tags[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def _resume(self, resume: str) -> None:
-        load_dir = self.run_dir / CHECKPOINTS if resume == "auto" else Path(resume)
-        if resume == "auto" and not (load_dir / "latest").exists():
-            if self.rank == 0:
-                log.info("no checkpoint in %s: starting from step 0", load_dir)
+        if tag in self.written_tags:
+            self.written_tags.remove(tag)
+        self.written_tags.append(tag)
+        if self.rank != 0:
             return
-        path, client = self.engine.load_checkpoint(load_dir)
+        if not (checkpoints / TOKENIZER_DIR).is_dir():
+            # `zerotrain consolidate --hf` on these checkpoints writes the run's real tokenizer.
+            self.tokenizer.save_pretrained(checkpoints / TOKENIZER_DIR)
+        keep = self.cfg.output.keep_checkpoints
+        if keep:
+            for old in tags_to_prune(checkpoints, self.written_tags, keep):
+                shutil.rmtree(checkpoints / old, ignore_errors=True)
+                self.written_tags.remove(old)
+
+    def _plan(self) -> dict:
+        sched = self.engine.config.scheduler
+        schedule = {"type": sched.type, "params": dict(sched.params)} if sched is not None else {}
+        return {"global_batch": self.engine.train_batch_size(), "total_steps": self.total_steps,
+                "schedule": json.loads(json.dumps(schedule, default=str))}
+
+    def _resume(self, point) -> None:
+        path, client = self.engine.load_checkpoint(point.load_dir, tag=point.tag)
         saved = (client or {}).get("run_state") or {}
         self.state = RunState(**saved)
         self.batches.load_state_dict(self.state.data)
         self.last_save_step = self.state.step
+        if point.load_dir.resolve() == (self.run_dir / CHECKPOINTS).resolve():
+            # This run's own earlier checkpoints, up to the one resumed from, are its to prune.
+            earlier = [p.name for p in point.load_dir.glob("step*") if p.name[4:].isdigit()
+                       and int(p.name[4:]) <= self.state.step]
+            self.written_tags = sorted(earlier, key=lambda name: int(name[4:]))
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.state.step)
+            for change in _plan_changes(saved, self._plan()):
+                log.warning("resumed with a different %s", change)
 
     def _stop_requested(self) -> bool:
         flag = torch.tensor([1.0 if self.stop.requested_here() else 0.0], device=self.device)
@@ -319,11 +357,23 @@ class _Window:
         return len(self.losses) * tokens_per_step / seconds if seconds > 0 else math.nan
 
 
+def _plan_changes(saved: dict, now: dict) -> list[str]:
+    """What differs between the checkpoint's plan and this run's, as "what: old → new"."""
+    changes = []
+    labels = {"global_batch": "global batch (samples per step)", "total_steps": "total steps",
+              "schedule": "learning-rate schedule"}
+    for key, label in labels.items():
+        old = saved.get(key)
+        if old not in (None, 0, {}) and old != now[key]:
+            changes.append(f"{label}: {old} → {now[key]}")
+    return changes
+
+
 def _num(value: Any) -> float:
     return float(value) if value is not None else math.nan
 
 
-def _describe(row: dict, memory: list, fp16: bool) -> str:
+def _describe(row: dict, memory: str, fp16: bool) -> str:
     parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3g}",
              f"grad norm {row['grad_norm']:.3g}", f"{row['tokens_per_s']:,.0f} tok/s",
              f"{row['samples_per_s']:.1f} samples/s"]
@@ -331,6 +381,5 @@ def _describe(row: dict, memory: list, fp16: bool) -> str:
         parts.append(f"scale {row['loss_scale']:g} skipped {row['skipped_steps']}")
     if not math.isnan(row["tflops"]):
         parts.append(f"{row['tflops']:.2f} TFLOP/s" + (f" MFU {row['mfu']:.1%}" if not math.isnan(row["mfu"]) else ""))
-    mem = " ".join(f"r{r} {a:.2f}/{p:.2f}" for r, (a, p) in enumerate(memory))
-    parts.append(f"mem GiB (now/peak) {mem}")
+    parts.append(f"mem {memory}")
     return " | ".join(parts)

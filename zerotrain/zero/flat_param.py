@@ -60,6 +60,10 @@ class FlatParam:
         self.master: torch.Tensor | None = None  # fp32 shard the optimizer updates
         self.master_is_param = False  # fp32 training: the master is the parameter slice itself
         self.grad_full: torch.Tensor | None = None  # whole gradient, compute dtype
+        # Per parameter: its slot of `grad_full` holds nothing of this accumulation yet (it reads as
+        # zeros). Clearing the gradient only marks the slots, so no step pays for a memset of Ψ: the
+        # next gradient overwrites its slot, and `ensure_grad_full` zeroes the slots nobody wrote.
+        self._grad_unwritten = [True] * len(params)
         self.grad_shard: torch.Tensor | None = None  # this rank's reduced gradient slice
 
     @property
@@ -175,12 +179,32 @@ class FlatParam:
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
         """Accumulates one parameter's gradient into the whole-gradient buffer."""
         off, n = self.offsets[index], self.numels[index]
-        self.ensure_grad_full()[off : off + n].add_(grad.reshape(-1))
+        slot = self._grad_buffer()[off : off + n]
+        if self._grad_unwritten[index]:
+            slot.copy_(grad.reshape(-1))  # the first gradient since the clear: nothing to add to
+            self._grad_unwritten[index] = False
+        else:
+            slot.add_(grad.reshape(-1))
 
     def ensure_grad_full(self) -> torch.Tensor:
-        """The whole-gradient buffer, zeros if no parameter produced a gradient."""
+        """The whole-gradient buffer, every slot valid: zeros where no parameter wrote a gradient."""
+        grad = self._grad_buffer()
+        for i, unwritten in enumerate(self._grad_unwritten):
+            if unwritten:
+                grad[self.offsets[i] : self.offsets[i] + self.numels[i]].zero_()
+                self._grad_unwritten[i] = False
+        return grad
+
+    def clear_grad_full(self) -> None:
+        """The whole gradient reads as zeros from now on, without writing Ψ zeros (see `add_grad`)."""
+        self._grad_unwritten = [True] * len(self.params)
+
+    def _grad_buffer(self) -> torch.Tensor:
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
+            # Uninitialized: every slot is written by its gradient or zeroed by ensure_grad_full.
+            self.grad_full = torch.empty(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
+            self.grad_full[self.numel :].zero_()  # the padding: no parameter ever writes it
+            self.clear_grad_full()
         return self.grad_full
 
     def grad_of_shard(self) -> torch.Tensor:

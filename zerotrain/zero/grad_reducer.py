@@ -2,16 +2,19 @@
 
 A post-accumulate-grad hook on every trainable parameter copies its gradient
 into its bucket's whole-gradient buffer and drops `param.grad`. When reduction
-happens during backward (stage 0 at the accumulation boundary, stage 2 on every
-micro-step), a bucket is launched asynchronously as soon as all of its
-parameters have reported, while backward goes on. Buckets are always launched
+happens during backward (stages 0 and 1 at the accumulation boundary, stages 2
+and 3 on every micro-step), a bucket is launched asynchronously as soon as all
+of its parameters have reported, while backward goes on. Buckets are always launched
 in one fixed order so every rank issues the same collectives in the same
 sequence, whatever parameters its data left unused; the rest are flushed by a
 callback at the end of backward.
 
-Stage 0 all-reduces the whole gradient. Stages 1 and 2 reduce-scatter it into
-the rank's gradient shard; stage 2 then frees the whole gradient, so between
-micro-steps a rank keeps only its shard. With the optimizer on NVMe (stages 2-3)
+Stage 0 all-reduces the whole gradient. Stages 1-3 reduce-scatter it into the
+rank's gradient shard (stage 1 straight into a new one: its shard exists only from
+the boundary backward to the step); stage 1 keeps the whole-gradient buffer for the
+next accumulation, stages 2-3 free it, so between micro-steps a rank keeps only its
+shard. A backward that does not reduce (stages 0-1 before the boundary, or inside
+`no_sync()`) leaves `unreduced` set; the engine's step then reduces what is left. With the optimizer on NVMe (stages 2-3)
 that shard is parked on disk too (`nvme_grads.py`).
 """
 
@@ -53,6 +56,7 @@ class GradReducer:
         else:
             self.pre_scale, self.post_scale = 1.0 / predivide_factor, predivide_factor / world_size
         self.reduce_in_backward = False
+        self.unreduced = False  # gradients accumulated by a backward that did not reduce them
         self.boundary = True  # this backward ends the accumulation: its gradients are the step's last
         self.grad_swap = grad_swap  # NvmeGradOffload: reduced shards parked on NVMe
         self._slot: dict[nn.Parameter, tuple[int, int]] = {}
@@ -83,6 +87,8 @@ class GradReducer:
         fp.add_grad(i, param.grad)
         param.grad = None
         self._ready[b].add(i)
+        if not self.reduce_in_backward:
+            self.unreduced = True
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -109,6 +115,12 @@ class GradReducer:
         while self._in_flight:
             self._complete(*self._in_flight.popleft())
         self._next_launch = 0
+        self.unreduced = False
+
+    @property
+    def in_flight(self) -> int:
+        """Reductions launched and not yet completed (0 once a reducing backward has returned)."""
+        return len(self._in_flight)
 
     def _launch(self, b: int) -> None:
         self._next_launch = b + 1
@@ -121,7 +133,7 @@ class GradReducer:
             work = zdist.all_reduce(send, "grad", async_op=True)
             out = send
         else:
-            out = torch.empty(fp.shard_size, dtype=send.dtype, device=send.device)
+            out = self._reduce_scatter_target(fp, send)
             work = zdist.reduce_scatter(out, send, "grad", async_op=True)
             if self.grad_swap is not None:
                 self.grad_swap.prefetch(fp)  # the shard so far comes in while the reduction runs
@@ -144,8 +156,29 @@ class GradReducer:
             fp.grad_full = None
             return
         shard = fp.grad_of_shard()
-        shard.add_(out.to(shard.device))  # a blocking copy: the add must see the data
+        if out is not shard:
+            shard.add_(out.to(shard.device))  # a blocking copy: the add must see the data
         if self.stage == 1:
-            fp.grad_full.zero_()  # kept allocated: stage 1 holds whole gradients between steps
+            fp.clear_grad_full()  # kept allocated: stage 1 holds whole gradients between steps
         else:
             fp.grad_full = None  # stages 2 and 3 keep only the shard
+
+    def _reduce_scatter_target(self, fp: FlatParam, send: torch.Tensor) -> torch.Tensor:
+        """Where a bucket's reduce-scatter writes.
+
+        Stage 1 starts every step without a gradient shard (the engine's zero_grad drops
+        it): the first reduction of the step writes straight into a new one, with no
+        temporary and no add. Otherwise (stages 2-3 accumulating over micro-steps, a
+        second backward before the step, a shard offloaded or in another dtype) a
+        temporary, added into the shard when the reduction completes.
+        """
+        if (
+            self.stage == 1
+            and fp.grad_shard is None
+            and self.grad_swap is None
+            and send.dtype == fp.data.dtype
+            and fp.master.device == send.device
+        ):
+            fp.grad_shard = torch.empty(fp.shard_size, dtype=send.dtype, device=send.device)
+            return fp.grad_shard
+        return torch.empty(fp.shard_size, dtype=send.dtype, device=send.device)

@@ -82,7 +82,7 @@ class ZeroOptimizer:
         for fp in self.flat_params:
             fp.master.grad = None
             if fp.grad_full is not None:
-                fp.grad_full.zero_()
+                fp.clear_grad_full()  # no memset: the next gradients overwrite it (FlatParam.add_grad)
             if self.stage == 1:
                 fp.grad_shard = None  # stage 1 keeps whole gradients; the shard lives only in the step
             elif fp.grad_shard is not None and self.nvme_grads is None:

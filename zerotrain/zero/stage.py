@@ -3,7 +3,7 @@
 | stage | low-precision params | gradients                             | fp32 master + optimizer state |
 | ----- | -------------------- | ------------------------------------- | ----------------------------- |
 | 0     | whole                | whole, all-reduced during backward    | whole                         |
-| 1     | whole                | whole, reduce-scattered at the step   | shard                         |
+| 1     | whole                | whole, reduce-scattered in backward   | shard                         |
 | 2     | whole                | shard, reduce-scattered in backward   | shard                         |
 | 3     | shard, gathered per unit for use | shard, reduce-scattered in backward | shard                 |
 
@@ -54,8 +54,10 @@ class StagePlan:
         return self.stage <= 1
 
     def reduces_in_backward(self, boundary: bool) -> bool:
-        """Stage 0 all-reduces during the boundary backward; stage 2 reduce-scatters every backward."""
-        return self.stage >= 2 or (self.stage == 0 and boundary)
+        """Stages 0 and 1 reduce (all-reduce / reduce-scatter) during the boundary backward, bucket by
+        bucket as backward fills them, and accumulate locally before it; stages 2-3 reduce-scatter
+        in every backward."""
+        return self.stage >= 2 or boundary
 
 
 @dataclass(frozen=True)

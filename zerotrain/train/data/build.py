@@ -108,8 +108,9 @@ def build_data(data_cfg: Any, tokenizer: Any, *, max_positions: int | None = Non
         num, syn_seed = int(_option(syn, "num_examples", 20000)), int(_option(syn, "seed", 0))
         examples = synthetic_examples(task, num, syn_seed)
         identity = {"synthetic": {"task": task, "num_examples": num, "seed": syn_seed}}
-        corpus = cached_corpus(identity, lambda progress: (e.document for e in examples), **common)
         source_desc = f"synthetic {task} ({num} examples)"
+        corpus = cached_corpus(identity, lambda progress: (e.document for e in examples), total_documents=num,
+                               label=source_desc, **common)
     else:
         corpus = _file_corpus(path, fmt, fields, "data.path", common)
         source_desc = str(path)
@@ -157,7 +158,7 @@ def _file_corpus(path: Any, fmt: str, fields: Fields, key: str, common: dict[str
     }
     total = sum(s.size for s in sources)
     return cached_corpus(identity, lambda progress: read_documents(sources, fields, progress), total_bytes=total,
-                         **common)
+                         label=str(path), **common)
 
 
 def _check_enough(dataset: PackedDataset, what: str, world_size: int, key: str) -> None:

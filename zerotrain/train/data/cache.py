@@ -24,21 +24,18 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from zerotrain.train.data.corpus import TokenizedCorpus, tokenize_documents
 from zerotrain.train.data.records import Document
+from zerotrain.train.data.tokenize_progress import TokenizeProgress
 from zerotrain.train.data.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
 # Bump when the stored layout or the tokenization rules change: old entries then miss.
 CACHE_VERSION = 1
-
-# Inputs smaller than this tokenize in about a second: no progress bar needed.
-PROGRESS_MIN_BYTES = 8 << 20
 
 Reader = Callable[[Callable[[int], None] | None], Iterable[Document]]
 
@@ -65,13 +62,17 @@ def cache_key(identity: dict[str, Any], tokenizer: Any) -> tuple[str, dict[str, 
 
 
 def cached_corpus(identity: dict[str, Any], read: Reader, tokenizer: Any, *, cache_root: Path,
-                  total_bytes: int = 0, rank: int = 0, world_size: int = 1) -> TokenizedCorpus:
+                  total_bytes: int = 0, total_documents: int | None = None, label: str = "data",
+                  rank: int = 0, world_size: int = 1) -> TokenizedCorpus:
     """The corpus for ``identity``, from the cache or built by tokenizing ``read(progress)``.
 
     ``read`` is called with a progress callback (bytes of input consumed, or None)
     and yields the documents.  When ``torch.distributed`` is initialized with more
-    than one rank, rank 0 builds and the others wait for it at a barrier.
+    than one rank, rank 0 builds and the others wait for it at a barrier.  Rank 0
+    shows the progress (``label`` names the input; ``total_bytes`` or
+    ``total_documents`` sets the scale when known).
     """
+    size = {"total_bytes": total_bytes, "total_documents": total_documents, "label": label}
     key, meta = cache_key(identity, tokenizer)
     entry = Path(cache_root).expanduser() / key
     if _distributed(world_size):
@@ -79,13 +80,13 @@ def cached_corpus(identity: dict[str, Any], read: Reader, tokenizer: Any, *, cac
 
         try:
             if rank == 0 and not entry.is_dir():
-                _build(entry, meta, read, tokenizer, total_bytes, show_progress=True)
+                _build(entry, meta, read, tokenizer, size, show_progress=True)
         finally:
             # Reached even when rank 0 fails (e.g. a DataError), so the others do
             # not hang: they find no entry and fail on the same data themselves.
             dist.barrier()
     if not entry.is_dir():
-        _build(entry, meta, read, tokenizer, total_bytes, show_progress=rank == 0)
+        _build(entry, meta, read, tokenizer, size, show_progress=rank == 0)
     return TokenizedCorpus.load(entry)
 
 
@@ -97,13 +98,14 @@ def _distributed(world_size: int) -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _build(entry: Path, meta: dict[str, Any], read: Reader, tokenizer: Any, total_bytes: int,
+def _build(entry: Path, meta: dict[str, Any], read: Reader, tokenizer: Any, size: dict[str, Any],
            show_progress: bool) -> None:
     """Tokenizes and writes ``entry`` atomically (temporary directory, then rename)."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with _progress(total_bytes if show_progress else 0) as advance:
-        corpus = tokenize_documents(read(advance), tokenizer)
+    with TokenizeProgress(size["label"], total_bytes=size["total_bytes"], total_documents=size["total_documents"],
+                          enabled=show_progress) as progress:
+        corpus = tokenize_documents(_counted(read(progress.advance_bytes), progress), tokenizer)
     temp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp.mkdir()
     try:
@@ -115,20 +117,12 @@ def _build(entry: Path, meta: dict[str, Any], read: Reader, tokenizer: Any, tota
         # Another process renamed its identical copy into place first: keep that one.
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    log.info("tokenized %d documents (%d tokens) in %.1fs into %s", corpus.num_documents, corpus.num_tokens,
-             time.perf_counter() - started, entry)
+    progress.finish(corpus.num_documents, corpus.num_tokens)
+    log.debug("tokenized %d documents (%d tokens) in %.1fs into %s", corpus.num_documents, corpus.num_tokens,
+              time.perf_counter() - started, entry)
 
 
-@contextmanager
-def _progress(total_bytes: int):
-    """A rich progress bar over input bytes, on stderr, for inputs worth waiting for; else no-op."""
-    if total_bytes < PROGRESS_MIN_BYTES:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (TextColumn("tokenizing data"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("tokenize", total=total_bytes)
-        yield lambda n: bar.advance(task, n)
+def _counted(documents: Iterable[Document], progress: TokenizeProgress) -> Iterable[Document]:
+    for document in documents:
+        progress.count_document()
+        yield document

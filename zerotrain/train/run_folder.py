@@ -1,0 +1,127 @@
+"""The rules that keep a run directory's work from being lost.
+
+- A folder that already holds a run (checkpoints or metrics) is not trained into again
+  unless the user says `--resume` (continue it) or `--overwrite` (start again; the old
+  run's files are removed first). A silent re-run used to overwrite it.
+- A folder with a live run (train.pid names a live process) is never touched by another.
+- `training.resume` names a checkpoints folder (one with `latest`) or one tag folder in
+  it; anything else is an error before any step, never a silent start from step 0.
+- Pruning (`output.keep_checkpoints`) removes only tags this run wrote, oldest first,
+  and never the tag `latest` names.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerotrain.checkpoint.layout import LATEST, META
+from zerotrain.config.errors import ConfigError
+from zerotrain.train.run_control import running_pid
+
+CHECKPOINTS = "checkpoints"
+# What a run leaves in its directory; --overwrite removes exactly these (config.yaml is rewritten).
+RUN_OUTPUTS = ("checkpoints", "metrics.csv", "eval.csv", "summary.json", "hf", "tensorboard", "STOP")
+
+
+class RunFolderError(ConfigError):
+    """The run directory is not in a state this request may touch; the message says what to do."""
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """True if `run_dir` has the checkpoints or metrics of an earlier run."""
+    checkpoints = run_dir / CHECKPOINTS
+    has_tags = checkpoints.is_dir() and any(p.is_dir() and not p.name.startswith(".") for p in checkpoints.iterdir())
+    return has_tags or (checkpoints / LATEST).exists() or (run_dir / "metrics.csv").exists()
+
+
+def check_no_live_run(run_dir: Path, own_pid: int | None = None) -> None:
+    """Refuses when another live process is running in `run_dir`."""
+    pid = running_pid(run_dir)
+    if pid is not None and pid != own_pid:
+        raise RunFolderError(
+            f"a run is already active in {run_dir} (pid {pid}); stop it first with `zerotrain stop {run_dir}`, "
+            f"follow it with `zerotrain logs {run_dir} -f`, or set another --output.dir"
+        )
+
+
+def check_can_start(run_dir: Path, resume: str, overwrite: bool, config_path: str | None) -> None:
+    """Refuses to start a fresh run on top of an earlier one unless asked to resume or overwrite."""
+    if overwrite and resume != "never":
+        raise RunFolderError("--overwrite starts the run again from step 0, --resume continues it: choose one")
+    if resume == "never" and not overwrite and holds_a_run(run_dir):
+        again = f"zerotrain train {config_path}" if config_path else "zerotrain train"
+        raise RunFolderError(
+            f"{run_dir} already holds a run (checkpoints or metrics.csv); training into it again would overwrite "
+            f"them. Continue it with `{again} --resume`, start it again with `{again} --overwrite` (deletes its "
+            "checkpoints and metrics), or set another --output.dir"
+        )
+
+
+def clear_previous_run(run_dir: Path) -> list[str]:
+    """Removes an earlier run's outputs (for --overwrite); returns what was removed."""
+    removed = []
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where to load from: the checkpoints folder and, when one was named, the tag in it."""
+
+    load_dir: Path
+    tag: str | None = None
+
+
+def is_checkpoint_tag(path: Path) -> bool:
+    return path.is_dir() and (path / META).is_file()
+
+
+def resolve_resume(resume: str, run_dir: Path) -> ResumePoint | None:
+    """What `training.resume` asks for, checked before anything starts.
+
+    "never": None. "auto" (`--resume`): the run's newest checkpoint, or None when the
+    run has none yet. A path: a checkpoints folder with `latest`, or one tag folder.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        load_dir = run_dir / CHECKPOINTS
+        return ResumePoint(load_dir) if (load_dir / LATEST).is_file() else None
+    path = Path(resume).expanduser()
+    if is_checkpoint_tag(path):
+        return ResumePoint(path.parent, path.name)
+    if (path / LATEST).is_file():
+        return ResumePoint(path)
+    if not path.exists():
+        problem = "does not exist"
+    elif not path.is_dir():
+        problem = "is a file, not a folder"
+    else:
+        tags = sorted(p.name for p in path.iterdir() if is_checkpoint_tag(p))
+        problem = (
+            f"has no `latest` file; it holds the tags {', '.join(tags)}: name one of them, e.g. {path / tags[-1]}"
+            if tags else f"is neither a checkpoints folder (no `{LATEST}` file) nor a checkpoint tag (no {META})"
+        )
+    raise RunFolderError(
+        f"training.resume: {path} {problem}. Give a checkpoints folder (e.g. {run_dir / CHECKPOINTS}) or one tag "
+        f"folder in it (e.g. {run_dir / CHECKPOINTS / 'step100'}), or use --resume for the newest checkpoint of this run"
+    )
+
+
+def tags_to_prune(checkpoints: Path, written_by_this_run: list[str], keep: int) -> list[str]:
+    """The tags `output.keep_checkpoints` removes: this run's own, oldest first, never `latest`'s."""
+    latest_file = checkpoints / LATEST
+    latest = latest_file.read_text().strip() if latest_file.is_file() else None
+    ours = [tag for tag in written_by_this_run if tag != latest and (checkpoints / tag).is_dir()]
+    keep_others = max(0, keep - (1 if latest is not None else 0))
+    return ours[: max(0, len(ours) - keep_others)]
