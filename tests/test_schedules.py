@@ -247,7 +247,7 @@ def test_build_scheduler_missing_required_param():
 
 def test_build_scheduler_bad_warmup_steps():
     with pytest.raises(ConfigError, match="warmup_num_steps"):
-        build_scheduler("WarmupLR", {"warmup_num_steps": 0}, sgd(0.1))
+        build_scheduler("WarmupLR", {"warmup_num_steps": -1}, sgd(0.1))
 
 
 def test_build_scheduler_falls_back_to_torch():

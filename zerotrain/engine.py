@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zerotrain.distributed import read_launch_env
+from zerotrain.engine_accessors import DeepSpeedAccessors
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import build_loss_scaler
 from zerotrain.teardown import own_group
@@ -39,8 +40,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("zerotrain")
 
 
-class Engine(nn.Module):
-    """Wraps a model for ZeRO data-parallel training; built by `zerotrain.initialize`."""
+class Engine(DeepSpeedAccessors, nn.Module):
+    """Wraps a model for ZeRO data-parallel training; built by `zerotrain.initialize`.
+
+    DeepSpeed's accessors (`train_batch_size()`, `get_lr()`, `was_step_applied()`, ...)
+    come from `DeepSpeedAccessors` (engine_accessors.py).
+    """
 
     def __init__(
         self,
@@ -185,12 +190,14 @@ class Engine(nn.Module):
             self._step()
 
     def _step(self) -> None:
+        self._step_applied = False  # until this call updates the weights (was_step_applied)
         if self.is_gradient_accumulation_boundary():
             if self._inside_no_sync:
                 raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): leave no_sync first")
             if self.reducer.unreduced:
                 self.reducer.reduce_remaining()  # the boundary backward ran inside no_sync(): reduce now
             if self.optimizer.step():
+                self._step_applied = True
                 if self.lr_scheduler is not None:
                     with warnings.catch_warnings():
                         warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
@@ -231,29 +238,7 @@ class Engine(nn.Module):
         finally:
             self._inside_no_sync = previous
 
-    # --- DeepSpeed's accessors -------------------------------------------------------------
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.plan.stage
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """Norm of the whole (unscaled, unclipped) gradient at the last step; inf if fp16 overflowed."""
-        return self.optimizer.last_grad_norm
+    # --- DeepSpeed's accessors: engine_accessors.py ------------------------------------------
 
     # --- checkpoints (zerotrain/checkpoint/) ----------------------------------------------
 
@@ -279,11 +264,23 @@ class Engine(nn.Module):
             self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
 
-    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
-        """Writes the weights in the training dtype to one safetensors file (rank 0 writes)."""
+    def save_16bit_model(
+        self, save_dir, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Writes the weights in the training dtype to one file (rank 0 writes; every rank calls).
+
+        safetensors, unless `save_filename` ends in .bin/.pt/.pth (DeepSpeed's default is
+        pytorch_model.bin): then a torch.save of the plain state dict. Returns True once saved,
+        False at stage 3 without stage3_gather_16bit_weights_on_model_save, as DeepSpeed.
+        See zerotrain/checkpoint/model_weights.py.
+        """
         from zerotrain.checkpoint.model_weights import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
+        """DeepSpeed's older name for `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, master weights and optimizer state."""

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ZEROTRAIN = [sys.executable, "-m", "zerotrain"]
+from conftest import zerotrain_script
+
+ZEROTRAIN = [zerotrain_script()]  # the installed console script, as users run it
 # A short job on the default model and data: 12 steps, a checkpoint every 4, a metrics row every step.
 SHORT = [
     "--training.max_steps", "12", "--training.save_interval", "4", "--training.eval_interval", "6",
@@ -21,7 +23,7 @@ SHORT = [
 
 def _train(tmp_path: Path, run: str, *args: str, env: dict | None = None, check: bool = True):
     cmd = [*ZEROTRAIN, "train", "--output.dir", str(tmp_path / run), "--data.cache_dir", str(tmp_path / "cache"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -154,10 +154,29 @@ def _output_names(output: Path) -> tuple[Path, str]:
     return output, WEIGHTS_NAME
 
 
+def default_file_mode() -> int:
+    """The mode a new file gets from `open()` here: 0o666 less the umask (0o644 under the usual 022).
+
+    Files written through temporary files (safetensors' `save_file`, `tempfile.mkstemp`) are
+    created 0o600; exports are given this mode instead, as any other file the user writes.
+    """
+    try:
+        with open("/proc/self/status") as f:  # read without changing it (Linux 4.7+)
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)  # no other portable way to read it: set, then put it back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Writes `path` under a temporary name first, so readers never see half a file."""
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temp.write_text(text)
+    os.chmod(temp, default_file_mode())
     os.replace(temp, path)
 
 
@@ -200,6 +219,7 @@ def write_consolidated_weights(
                 if progress is not None:
                     progress(done_tensors, len(planned), done_bytes, total_bytes)
             save_file(tensors, str(temp), metadata={"format": "pt"})
+            os.chmod(temp, default_file_mode())  # save_file creates 0600 files
             del tensors
         written = [directory / name for name in names]
         for temp, path in zip(temps, written):

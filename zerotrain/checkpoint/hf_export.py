@@ -3,6 +3,12 @@
 config.json (the recorded config or one given), the consolidated weights and the
 tokenizer files, after checking the parameter names against the model the config
 builds: a clear list of missing names beats transformers' silent random init.
+
+The tokenizer comes from the MODEL_CONFIG_DIR given, else from the `tokenizer/`
+folder beside the checkpoint's tags (where `zerotrain train` saves the run's own).
+A model built from a config (not loaded) records no `architectures`; the class is
+then the one transformers' AutoModelForCausalLM maps the `model_type` to, so
+pipelines and `from_pretrained` of the matching class load the directory.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from zerotrain.checkpoint.consolidate import (
     WEIGHTS_NAME,
     ProgressCallback,
     atomic_write_text,
+    default_file_mode,
     open_checkpoint_reader,
     parse_size,
     resolve_dtype,
@@ -28,6 +35,7 @@ from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.reader import CheckpointReader
 
 CONFIG_NAME = "config.json"
+TOKENIZER_DIR = "tokenizer"  # beside the tags in a checkpoint folder: the run's tokenizer
 # Files a Hugging Face model directory carries besides config and weights.
 TOKENIZER_PATTERNS = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "generation_config.json", "chat_template*",
@@ -51,6 +59,28 @@ def _hf_config(reader: CheckpointReader, hf_config_dir: Path | None) -> dict:
             "pass --hf MODEL_CONFIG_DIR, a directory holding the model's config.json (and tokenizer)"
         )
     return dict(config)
+
+
+def _with_architectures(config: dict) -> dict:
+    """`config` with `architectures` set: as recorded, else the causal-LM class of its model_type."""
+    if config.get("architectures"):
+        return config
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # transformers not installed: nothing to name
+        return config
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
+    return {**config, "architectures": [name]} if name else config
+
+
+def _tokenizer_dir(reader: CheckpointReader, hf_config_dir: Path | None) -> Path | None:
+    """Where the tokenizer files come from: MODEL_CONFIG_DIR, else the checkpoint folder's tokenizer/."""
+    if hf_config_dir is not None:
+        return hf_config_dir
+    for candidate in (reader.tag_dir / TOKENIZER_DIR, reader.tag_dir.parent / TOKENIZER_DIR):
+        if candidate.is_dir():
+            return candidate
+    return None
 
 
 def _config_dtype(config: dict) -> torch.dtype:
@@ -125,7 +155,7 @@ def export_hf(
 
     config.json comes from `hf_config_dir` when given, else from the config the
     checkpoint recorded; tokenizer and generation files are copied from
-    `hf_config_dir`. `dtype` defaults to the config's dtype (fp32 if unset), and
+    `hf_config_dir`, else from the `tokenizer/` folder beside the checkpoint's tags. `dtype` defaults to the config's dtype (fp32 if unset), and
     config.json records the dtype written. Parameter names are checked against
     the model the config builds before anything is written, and a tied weight is
     written under the name transformers saves it by (e.g. model.embed_tokens.weight).
@@ -133,7 +163,8 @@ def export_hf(
     output_dir = Path(output_dir)
     config_dir = Path(hf_config_dir) if hf_config_dir else None
     with open_checkpoint_reader(checkpoint_dir, tag) as reader:
-        config = _hf_config(reader, config_dir)
+        config = _with_architectures(_hf_config(reader, config_dir))
+        tokenizer_dir = _tokenizer_dir(reader, config_dir)
         out_dtype = resolve_dtype(dtype) if dtype is not None else _config_dtype(config)
         rename = _check_names(config, set(reader.params) | set(reader.module_entries), reader.tag_dir)
         written = write_consolidated_weights(
@@ -145,12 +176,13 @@ def export_hf(
         config["torch_dtype"] = dtype_name
     written.insert(0, output_dir / CONFIG_NAME)
     atomic_write_text(written[0], json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if config_dir is not None:
-        sources = {p for pattern in TOKENIZER_PATTERNS for p in config_dir.glob(pattern) if p.is_file()}
+    if tokenizer_dir is not None:
+        sources = {p for pattern in TOKENIZER_PATTERNS for p in tokenizer_dir.glob(pattern) if p.is_file()}
         for source in sorted(sources):
             if source.name != CONFIG_NAME:
                 temp = output_dir / f".{source.name}.tmp-{os.getpid()}"
                 shutil.copyfile(source, temp)
+                os.chmod(temp, default_file_mode())
                 os.replace(temp, output_dir / source.name)
                 written.append(output_dir / source.name)
     return written

@@ -58,9 +58,22 @@ def _checked_warmup_type(warmup_type: str) -> str:
 
 
 def _checked_warmup_steps(warmup_num_steps: Any) -> int:
-    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-        raise ConfigError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
-    # At least 2 so that log(warmup_num_steps) is not 0.
+    """The warmup length used: at least 2, so that log(warmup_num_steps) is not 0, as DeepSpeed's.
+
+    0 is accepted, as DeepSpeed up to 0.19.2 accepts it (0.19.3 and later reject it): it is
+    raised to 2 like 1 is, so the lr still starts at ``warmup_min_lr``. Negative values and
+    non-integers are refused.
+    """
+    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps < 0:
+        raise ConfigError(
+            f"warmup_num_steps must be a non-negative integer, got {warmup_num_steps!r}: "
+            "set scheduler.params.warmup_num_steps to the number of warmup steps (0 or more)"
+        )
+    if warmup_num_steps == 0:
+        logger.warning(
+            "warmup_num_steps 0 warms up over 2 steps, as in DeepSpeed 0.19.2 and earlier (the first step "
+            "uses warmup_min_lr); DeepSpeed 0.19.3 and later reject 0"
+        )
     return max(2, warmup_num_steps)
 
 

@@ -6,29 +6,33 @@ module's `__init__` allocated for it is dropped at once (`torch.empty` memory is
 touched). Buffers are computed as usual, on the current device: they are small and
 often derived in `__init__` (rotary `inv_freq`), where the meta device would lose them.
 
-`build_flat_params` (stage.py) materializes the model one unit at a time with
-`Materializer`: the unit's buckets get their real buffers, torch's RNG is seeded with
-the same seed on every rank (a base seed from rank 0, plus the unit's index), and the
-unit's modules are initialized in place: `reset_parameters()` where a module has it,
-then, for modules of a Hugging Face model, the model's own `_init_weights(module)`. At
-stage 3 the unit is sharded before the next one exists, so a rank never holds more than
-its shards plus one whole unit.
+The context keeps a journal of the build (init_journal.py): the random ops, which draw
+nothing on meta tensors, and the initializer calls (`reset_parameters()`, a Hugging Face
+model's `_init_weights(module)`). `build_flat_params` (stage.py) materializes the model
+one unit at a time with `Materializer`: the unit's buckets get their real buffers and
+the unit's initializer calls run again, in order, each from the generator state an
+eager build would have had at that call (rank 0's, so every rank computes the same
+values). The model therefore starts from the weights `torch.manual_seed(s)` and an
+ordinary build give, at every stage. At stage 3 the unit is sharded before the next
+one exists, so a rank never holds more than its shards plus one whole unit.
+
 """
 
 from __future__ import annotations
 
-import sys
 import types
 import warnings
+from collections import OrderedDict
 
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
 from zerotrain import distributed as zdist
+from zerotrain.zero.init_journal import InitJournal, RandomOpRecorder, initializer_names, unwrap
 from zerotrain.zero.units import assign_params_to_units
 
-_DEFERRED = "_zerotrain_deferred"  # on a module built under Init: the base seed of its initialization
+_DEFERRED = "_zerotrain_deferred"  # on a module built under Init: the InitJournal of its build
 _TARGET = "_zerotrain_target_device"  # where `.to(device)` asked a deferred module to go
 _KEPT = "_zerotrain_init_values"  # small parameters' values from __init__, for modules with no initializer
 _KEEP_NUMEL = 1 << 16
@@ -69,7 +73,8 @@ class Init:
         self.dtype = dtype
         self.ignored = ignored_deepspeed_kwargs
         self._handles: list = []
-        self._seed: int | None = None
+        self._journal = InitJournal()
+        self._recorder: RandomOpRecorder | None = None
 
     def __enter__(self) -> Init:
         if self.enabled:
@@ -77,9 +82,16 @@ class Init:
                 torch_module.register_module_parameter_registration_hook(self._on_parameter),
                 torch_module.register_module_module_registration_hook(self._on_submodule),
             ]
+            self._journal.recording = True
+            self._recorder = RandomOpRecorder(self._journal)
+            self._recorder.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(*exc)
+            self._recorder = None
+        self._journal.recording = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -104,13 +116,12 @@ class Init:
         return None
 
     def _mark(self, module: nn.Module) -> None:
-        if self._seed is None:
-            # Drawn from torch's RNG when the first parameter appears, so torch.manual_seed()
-            # before the model (inside the context or not) reproduces its initial values.
-            self._seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         if _DEFERRED not in module.__dict__:
-            object.__setattr__(module, _DEFERRED, self._seed)
+            object.__setattr__(module, _DEFERRED, self._journal)
             object.__setattr__(module, "_apply", types.MethodType(_deferred_apply, module))
+            # Marked at its first parameter, before its __init__ initializes it: the calls are recorded.
+            for name in initializer_names(module):
+                self._journal.wrap(module, name)
 
 
 def _deferred_apply(self: nn.Module, fn, recurse: bool = True):
@@ -149,19 +160,39 @@ class Materializer:
         self.model = model
         self.world = world
         self.device = getattr(model, _TARGET, None) or zdist.device_for(zdist.read_launch_env().local_rank)
-        seed = next(m.__dict__[_DEFERRED] for m in model.modules() if _DEFERRED in m.__dict__)
-        seed_t = torch.tensor([seed], dtype=torch.int64, device=self.device)
-        if world > 1:
-            zdist.broadcast(seed_t, 0, "init")  # every rank draws the values rank 0 would
-        self.base_seed = int(seed_t.item())
         self.units: list[nn.Module] = [model, *units]  # index 0: the root unit
         per_unit, root = assign_params_to_units(model, units)  # every parameter, frozen ones too
         self.owned = [root, *per_unit]
         in_layers = {id(m) for u in units for m in u.modules()}
         self.unit_modules = [_post_order(model, skip=in_layers), *[_post_order(u, skip=set()) for u in units]]
         self.names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        self.hf_owner = _hf_owners(model)
+        self.journals = list({id(j): j for m in model.modules() if (j := m.__dict__.get(_DEFERRED)) is not None}.values())
+        self.calls = self._calls_by_module()
         self.done: set[int] = set()
+
+    def _calls_by_module(self) -> dict[int, list[tuple[int, torch.Tensor, object]]]:
+        """id(module) -> [(order, generator state, call)]: rank 0's states, so every rank draws alike."""
+        own = [(j, i, call) for j, journal in enumerate(self.journals) for i, call in enumerate(journal.calls)]
+        rank0 = not (self.world > 1 and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
+        states = [s for journal in self.journals for s in journal.call_states()] if rank0 else []
+        if self.world > 1:
+            count = torch.tensor([len(own)], dtype=torch.int64, device=self.device)
+            zdist.broadcast(count, 0, "init")
+            if int(count.item()) != len(own):
+                raise RuntimeError(
+                    f"zero.Init: rank 0 recorded {int(count.item())} initializer calls while building the model, "
+                    f"this rank {len(own)}: every rank must build the same model"
+                )
+            size = torch.get_rng_state().numel()
+            stacked = torch.stack(states) if rank0 and states else torch.empty(len(own), size, dtype=torch.uint8)
+            stacked = stacked.to(self.device)
+            if own:
+                zdist.broadcast(stacked, 0, "init")
+            states = list(stacked.cpu().unbind(0))
+        by_module: dict[int, list] = {}
+        for order, ((j, i, call), state) in enumerate(zip(own, states)):
+            by_module.setdefault(id(call.module), []).append((order, state, call))
+        return by_module
 
     def materialize(self, flat_params: list, unit: nn.Module | None) -> None:
         """Allocates the buckets' buffers on the device, then initializes `unit` (all units
@@ -184,8 +215,12 @@ class Materializer:
         if left:
             raise RuntimeError(f"zero.Init: could not materialize {left[:5]}")
         for m in self.model.modules():
+            unwrap(m)
             for key in (_DEFERRED, _TARGET, _KEPT, "_apply"):
                 m.__dict__.pop(key, None)
+        for journal in self.journals:
+            journal.close()
+        self.calls = {}
 
     def _init_unit(self, i: int) -> None:
         if i in self.done:
@@ -196,21 +231,35 @@ class Materializer:
             if p.is_meta:  # frozen, or trainable but outside the param groups: kept whole
                 _swap_in(p, torch.zeros(p.shape, dtype=p.dtype, device=self.device))
             p.__dict__.pop("_is_hf_initialized", None)  # HF's init functions would skip it
+        work = _WorkTensors(fresh)
+        modules = self.unit_modules[i]
+        originals = {m: OrderedDict(m._parameters) for m in modules}
+        # The initializers write CPU tensors, as in an eager build (the CPU generator's numbers):
+        # the unit's own parameters, or stand-ins for other units' (tied weights) and stale ones.
+        bound = {m: {n: work.get(p) for n, p in params.items() if p is not None} for m, params in originals.items()}
         uninitialized: list[str] = []
-        with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.base_seed + i)
-            for m in self.unit_modules[i]:
-                # Parameters of other units (tied weights) are not written here: a stand-in takes their place.
-                others = {n: p for n, p in m._parameters.items() if p is not None and id(p) not in fresh}
-                for n, p in others.items():
-                    m._parameters[n] = nn.Parameter(torch.empty(getattr(p, "ds_shape", p.shape), device="meta"))
-                try:
-                    if not self._init_module(m):
-                        kept = m.__dict__.get(_KEPT, {})
-                        uninitialized += [self.names.get(id(p), n) for n, p in m._parameters.items()
-                                          if p is not None and n not in others and n not in kept]
-                finally:
-                    m._parameters.update(others)
+        calls = sorted((c for m in modules for c in self.calls.get(id(m), [])), key=lambda c: c[0])
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                for m in modules:
+                    m._parameters.update(bound[m])
+                    self._init_buffers_and_kept(m)
+                for _, state, call in calls:
+                    m = call.module
+                    m._parameters.update({n: work.get(p) for n, p in call.params.items() if p is not None})
+                    torch.set_rng_state(state)
+                    call.method(*call.args)
+                    m._parameters.update(bound[m])
+            work.copy_back()
+        finally:
+            for m, params in originals.items():
+                m._parameters.clear()
+                m._parameters.update(params)
+        for m in modules:
+            kept = m.__dict__.get(_KEPT, {})
+            if id(m) not in self.calls:
+                uninitialized += [self.names.get(id(p), n) for n, p in originals[m].items()
+                                  if p is not None and id(p) in fresh and n not in kept]
         if uninitialized:
             warnings.warn(
                 f"zero.Init: {uninitialized[:5]} have no initializer (no reset_parameters(), not in a "
@@ -218,24 +267,43 @@ class Materializer:
                 stacklevel=4,
             )
 
-    def _init_module(self, m: nn.Module) -> bool:
-        """Initializes `m`'s own parameters and buffers; False if nothing knows how to."""
+    def _init_buffers_and_kept(self, m: nn.Module) -> None:
+        """Buffers left on the meta device, and values kept from `__init__` (rank 0's)."""
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
         for name, value in m.__dict__.get(_KEPT, {}).items():
             p = m._parameters.get(name)
             if p is not None and not p.is_meta and p.shape == value.shape:
-                p.copy_(value)
+                kept = value.to(self.device)
                 if self.world > 1:  # rank 0's __init__ values, as a model built whole gets
-                    zdist.broadcast(p.data, 0, "init")
-        reset = getattr(m, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        owner = self.hf_owner.get(m)
-        if owner is not None:
-            owner._init_weights(m)
-        return callable(reset) or owner is not None
+                    zdist.broadcast(kept, 0, "init")
+                p.copy_(kept)
+
+
+class _WorkTensors:
+    """The CPU tensors a unit's initializers write: its own parameters (or CPU copies of
+    them, when they live on a GPU) and throwaway stand-ins for any other parameter."""
+
+    def __init__(self, fresh: set[int]) -> None:
+        self.fresh = fresh
+        self.by_param: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (param, work)
+
+    def get(self, p: nn.Parameter) -> nn.Parameter:
+        if id(p) in self.by_param:
+            return self.by_param[id(p)][1]
+        if id(p) in self.fresh and p.device.type == "cpu":
+            work = p
+        else:
+            shape = p.shape if id(p) in self.fresh else getattr(p, "ds_shape", p.shape)
+            work = nn.Parameter(torch.zeros(shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        self.by_param[id(p)] = (p, work)
+        return work
+
+    def copy_back(self) -> None:
+        for p, work in self.by_param.values():
+            if work is not p and id(p) in self.fresh:
+                p.data.copy_(work)
 
 
 def _swap_in(p: nn.Parameter, value: torch.Tensor) -> None:
@@ -262,17 +330,3 @@ def _post_order(root: nn.Module, skip: set[int]) -> list[nn.Module]:
 
     visit(root)
     return out
-
-
-def _hf_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
-    """Each module's nearest enclosing Hugging Face `PreTrainedModel`, whose `_init_weights` it follows."""
-    if "transformers" not in sys.modules:
-        return {}
-    from transformers import PreTrainedModel
-
-    owner: dict[nn.Module, nn.Module] = {}
-    for m in model.modules():  # pre-order: a nested model overwrites its parent's claim
-        if isinstance(m, PreTrainedModel):
-            for sub in m.modules():
-                owner[sub] = m
-    return owner

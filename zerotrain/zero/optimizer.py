@@ -213,7 +213,9 @@ class ZeroOptimizer:
     def _gather_bucket(self, bucket: list[FlatParam]) -> None:
         if len(bucket) == 1:
             fp = bucket[0]
-            zdist.all_gather(fp.data, fp.shard().clone(), "param")
+            # In place, the input being the output's own slice: NCCL documents this use, and Gloo
+            # reads the input into its own buffer before it writes the output. No copy of the shard.
+            zdist.all_gather(fp.data, fp.shard(), "param")
             return
         send = torch.cat([fp.shard() for fp in bucket])
         world = bucket[0].padded_numel // bucket[0].shard_size

@@ -29,6 +29,12 @@ them in reverse. From then on, with DeepSpeed's meaning of the stage-3 knobs
 Whatever was kept is freed at the end of backward (the GradReducer frees every
 bucket it reduces) or at the end of a forward without gradients, so between
 steps a rank holds only shards.
+
+External parameters (`register_external_parameter`): a parameter registered on a
+module is gathered with that module's unit, for its forward and its backward, and
+freed after its forward (unless its own unit is kept). One registered on the root
+or on a module outside every layer stays gathered, like the root's own, from the
+start of forward until its gradient is reduced.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from zerotrain.zero.external_params import external_parameters, registration_generation
 from zerotrain.zero.flat_param import FlatParam
 
 # DeepSpeed's defaults for stage3_max_live_parameters and stage3_max_reuse_distance.
@@ -72,8 +79,12 @@ class ParamGatherer:
         self._distance_training: list[int | None] = []  # trace = forward, then backward in reverse
         self._distance_inference: list[int | None] = []  # trace = forward only
         self._kept: list[nn.Module] = []  # units left gathered for reuse, oldest first
+        self._external: dict[nn.Module, list[FlatParam]] = {}  # unit -> other units' buckets it reads
+        self._pinned: set[int] = set()  # ids of buckets the root reads: gathered through backward
+        self._external_generation = -1
         self._handles = []
-        for unit in self.by_unit:
+        # The root is hooked even without parameters of its own: its forward delimits each step.
+        for unit in {**dict.fromkeys(self.by_unit), root: None}:
             self._handles.append(unit.register_forward_pre_hook(self._before_forward))
             self._handles.append(unit.register_forward_hook(self._after_forward))
 
@@ -104,7 +115,8 @@ class ParamGatherer:
         if self._recorded and self._worth_keeping(self._cursor):
             self._kept.append(unit)
         else:
-            _free(self.by_unit[unit])
+            self._free_unit(unit)
+        self._free_externals(unit)
         if torch.is_grad_enabled():
             position = len(self.order) - 1 if not self._recorded else self._cursor
             for t in tree_leaves(output):
@@ -118,14 +130,49 @@ class ParamGatherer:
     # --- decisions -------------------------------------------------------------------------
 
     def _acquire(self, unit: nn.Module) -> None:
-        """Gathers a unit needed now, first evicting kept units if it would break the live limit."""
+        """Gathers a unit needed now (and the external parameters it reads), first evicting
+        kept units if it would break the live limit."""
         if unit in self._kept:
             self._kept.remove(unit)  # in use: not evictable until its forward ends again
-        missing = sum(fp.padded_numel for fp in self.by_unit[unit] if not fp.persistent and not _is_live(fp))
+        needed = self.by_unit[unit] + self._externals_of(unit)
+        missing = sum(fp.padded_numel for fp in needed if not fp.persistent and not _is_live(fp))
         while self._kept and self._live_numel() + missing > self.max_live_numel:
             # The oldest kept unit is the one reused last (backward runs in reverse).
-            _free(self.by_unit[self._kept.pop(0)])
-        _gather(self.by_unit[unit])
+            self._free_unit(self._kept.pop(0))
+        _gather(needed)
+
+    def _free_unit(self, unit: nn.Module) -> None:
+        """Frees a layer unit's buckets, except those the root reads (needed until backward)."""
+        _free([fp for fp in self.by_unit[unit] if id(fp) not in self._pinned])
+
+    def _free_externals(self, unit: nn.Module) -> None:
+        """After `unit`'s forward: frees the other units' buckets it read, unless still in use."""
+        for fp in self._externals_of(unit):
+            if fp.unit is not self.root and fp.unit not in self._kept and id(fp) not in self._pinned:
+                fp.free()
+
+    def _externals_of(self, unit: nn.Module) -> list[FlatParam]:
+        if self._external_generation != registration_generation():
+            self._map_external_parameters()
+        return self._external.get(unit, [])
+
+    def _map_external_parameters(self) -> None:
+        """Which unit runs each module with registered external parameters, and their buckets."""
+        owner: dict[nn.Module, nn.Module] = {}
+        for unit in self.by_unit:
+            if unit is not self.root:
+                for module in unit.modules():
+                    owner.setdefault(module, unit)
+        external: dict[nn.Module, list[FlatParam]] = defaultdict(list)
+        for module in self.root.modules():
+            unit = owner.get(module, self.root)
+            for p in external_parameters(module):
+                fp = getattr(p, "_zerotrain_flat_param", None)  # only partitioned buckets have one
+                if fp is not None and fp.unit is not unit and all(fp is not seen for seen in external[unit]):
+                    external[unit].append(fp)
+        self._external = dict(external)
+        self._pinned = {id(fp) for fp in self._external.get(self.root, [])}
+        self._external_generation = registration_generation()
 
     def _worth_keeping(self, position: int) -> bool:
         """Whether the unit that just ran at `position` is reused soon enough to stay gathered."""
