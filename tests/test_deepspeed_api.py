@@ -215,7 +215,7 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
         x = torch.tanh(self.proj(x))
-        return x if extra is None else x @ extra.T  # `extra`: another layer's weight
+        return x if extra is None else nn.functional.linear(x, extra)  # `extra`: another layer's weight
 
 
 class _TiedNet(nn.Module):
