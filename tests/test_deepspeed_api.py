@@ -221,13 +221,14 @@ class _Block(nn.Module):
 class _TiedNet(nn.Module):
     """Layer 2 reads layer 1's weight; the output projection is tied to layer 0's weight."""
 
-    def __init__(self, register: bool) -> None:
+    def __init__(self, register: tuple[str, ...] = ("layer", "root")) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(_Block() for _ in range(3))
         self.out_bias = nn.Parameter(torch.linspace(-0.1, 0.1, 8))
-        if register:
+        if "layer" in register:  # read by another layer unit
             register_external_parameter(self.layers[2], self.layers[1].proj.weight)
+        if "root" in register:  # read by the root, after its own unit has run
             register_external_parameter(self, self.layers[0].proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -256,7 +257,7 @@ def _tied_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _tied_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, plain torch, the whole global batch."""
-    model = _TiedNet(register=False)
+    model = _TiedNet(register=())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
@@ -273,7 +274,7 @@ def _tied_on_ranks(save_dir: str) -> dict:
     import torch.distributed as dist
 
     engine, *_ = zerotrain.initialize(
-        model=_TiedNet(register=True),
+        model=_TiedNet(),
         config={"train_batch_size": GLOBAL_BATCH, "optimizer": SGD, "zero_optimization": STAGE3_EVERY_UNIT_FREED},
     )
     rank, micro = dist.get_rank(), GLOBAL_BATCH // dist.get_world_size()
@@ -320,9 +321,10 @@ def test_save_16bit_model_at_stage_3_with_the_gather_flag_saves_whole_weights(ti
         assert torch.equal(weights[name], value), name
 
 
-def test_without_registration_a_foreign_weight_is_empty_at_stage_3():
+@pytest.mark.parametrize("registered", [("layer",), ("root",)], ids=["root-read-missing", "layer-read-missing"])
+def test_without_registration_a_foreign_weight_is_empty_at_stage_3(registered):
     engine, *_ = zerotrain.initialize(
-        model=_TiedNet(register=False),
+        model=_TiedNet(register=registered),
         config={"train_batch_size": GLOBAL_BATCH, "optimizer": SGD, "zero_optimization": STAGE3_EVERY_UNIT_FREED},
     )
     with pytest.raises(RuntimeError):
@@ -331,9 +333,9 @@ def test_without_registration_a_foreign_weight_is_empty_at_stage_3():
 
 def test_registration_is_a_no_op_below_stage_3():
     x, y = _tied_batch(0)
-    ref_loss = nn.functional.mse_loss(_TiedNet(register=False)(x), y).item()
+    ref_loss = nn.functional.mse_loss(_TiedNet(register=())(x), y).item()
     engine, *_ = zerotrain.initialize(
-        model=_TiedNet(register=True),
+        model=_TiedNet(),
         config={"train_batch_size": GLOBAL_BATCH, "optimizer": SGD, "zero_optimization": {"stage": 2}},
     )
     assert nn.functional.mse_loss(engine(x), y).item() == pytest.approx(ref_loss, rel=1e-6)

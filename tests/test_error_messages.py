@@ -188,6 +188,15 @@ def test_engine_user_is_told_the_load_checkpoint_call_and_when_there_is_no_earli
         r.read_param("master", next(iter(r.params)))
 
 
+def test_garbled_meta_json_is_named_with_the_previous_tag(tmp_path, two_checkpoints):
+    folder = _corrupt_copy(two_checkpoints / "checkpoints", tmp_path / "ckpt")
+    (folder / "step2" / "meta.json").write_text('{"format": "zerotrain-checkpoint/1", "params": {')
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointReader(folder)
+    assert f"{folder / 'step2' / 'meta.json'} is corrupt" in str(caught.value)
+    assert "tag='step1'" in str(caught.value)
+
+
 def test_consolidating_a_corrupt_shard_suggests_consolidating_the_previous_tag(
     zerotrain_cli, tmp_path, two_checkpoints
 ):

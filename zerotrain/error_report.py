@@ -13,6 +13,10 @@ from rich.console import Console
 from rich.markup import escape
 
 DEBUG_ENV = "ZEROTRAIN_DEBUG"
+# Exit status for a bad command line or an invalid config or input, as argparse uses.
+USAGE_EXIT_CODE = 2
+# Exit status for an error that is not the user's input (a bug, or the environment).
+UNEXPECTED_EXIT_CODE = 1
 
 
 def debug_enabled() -> bool:

@@ -139,15 +139,18 @@ def previous_tag(tag_dir: Path) -> str | None:
     """
     broken_step = _saved_step(tag_dir)
     candidates = []
-    for other in tag_dir.parent.iterdir():
-        if other.name.startswith(".") or other == tag_dir or not other.is_dir():
-            continue
-        step = _saved_step(other)
-        if broken_step is not None and step is not None:
-            if step < broken_step:
-                candidates.append(((step, other.stat().st_mtime), other))
-        elif other.stat().st_mtime < tag_dir.stat().st_mtime:
-            candidates.append(((-1, other.stat().st_mtime), other))
+    try:
+        for other in tag_dir.parent.iterdir():
+            if other.name.startswith(".") or other == tag_dir or not other.is_dir():
+                continue
+            step = _saved_step(other)
+            if broken_step is not None and step is not None:
+                if step < broken_step:
+                    candidates.append(((step, other.stat().st_mtime), other))
+            elif other.stat().st_mtime < tag_dir.stat().st_mtime:
+                candidates.append(((-1, other.stat().st_mtime), other))
+    except OSError:  # a folder we cannot list offers no fallback; the original error still stands
+        return None
     for _, other in sorted(candidates, key=lambda c: c[0], reverse=True):
         if _intact(other):
             return other.name

@@ -1,0 +1,134 @@
+"""`zerotrain config check`: validate a config and print it with every value resolved.
+
+A DeepSpeed config (JSON with comments, or YAML) has its "auto" values resolved for a world
+size (``--set`` fills the ones that need a model or data).  A `zerotrain train` YAML (top-level
+sections model, data, training, zero, logging, output or inherit) is merged with the files it
+inherits, overridden by ``--set`` and validated as `zerotrain train` would, and printed with
+every default filled in.  Either way a problem is one message naming the file and key (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.json import JSON
+from rich.markup import escape
+
+from zerotrain.error_report import USAGE_EXIT_CODE, error_console, print_user_error
+
+# Top-level keys that make a YAML file a `zerotrain train` config rather than a DeepSpeed one.
+TRAIN_CONFIG_KEYS = frozenset({"inherit", "model", "data", "training", "zero", "logging", "output"})
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, object]:
+    """Turns ``["a.b=1e-3", "c=x"]`` into ``{"a.b": 0.001, "c": "x"}`` (JSON values where they parse)."""
+    overrides: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            value: object = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        overrides[key.strip()] = value
+    return overrides
+
+
+_MISSING = object()
+
+
+def _value_at(data: object, dotted_key: str) -> object:
+    """`data["a"]["b"]` for "a.b", or `_MISSING` when the path is absent."""
+    for part in dotted_key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return _MISSING
+        data = data[part]
+    return data
+
+
+def run_config_check(args: argparse.Namespace) -> int:
+    """`zerotrain config check`: prints the resolved config (0), or why it is invalid (2)."""
+    from zerotrain.config import ConfigError, load_config, resolve_config
+
+    console = error_console()
+    try:
+        if is_train_config(args.path):
+            return _check_train_config(args, console)
+        overrides = parse_overrides(args.overrides)
+        cfg = resolve_config(load_config(args.path), world_size=args.world_size, model=None, auto_values=overrides)
+    except (ConfigError, ValueError, OSError) as error:
+        # The message is the whole story (it names the file, key and fix); a traceback would bury it.
+        print_user_error("zerotrain config check", error, console)
+        if '"auto"' in str(error):
+            console.print('[dim]fill "auto" values here with --set KEY=VALUE[/]')
+        return USAGE_EXIT_CODE
+    resolved = cfg.model_dump(mode="json", exclude_none=True)
+    for key, value in overrides.items():
+        # resolve_config fills only "auto" values and ignores other keys: say so.
+        if _value_at(resolved, key) != value:
+            console.print(
+                f"[yellow]--set {escape(key)} had no effect: only values the config sets to \"auto\" are filled[/]"
+            )
+    # soft_wrap: long strings must not be folded, so the output stays valid JSON.
+    Console().print(JSON.from_data(resolved), soft_wrap=True)
+    return 0
+
+
+def is_train_config(path: str | os.PathLike) -> bool:
+    """Whether PATH is a `zerotrain train` YAML (its top-level keys are train sections), not a DeepSpeed config."""
+    from zerotrain.config.loader import read_config_file
+
+    file = Path(path)
+    if file.suffix.lower() not in (".yaml", ".yml") or not file.is_file():
+        return False
+    data = read_config_file(file)
+    return isinstance(data, dict) and not TRAIN_CONFIG_KEYS.isdisjoint(data)
+
+
+def _check_train_config(args: argparse.Namespace, console: Console) -> int:
+    """A `zerotrain train` YAML: merged, overridden by --set, validated; printed as YAML with defaults filled."""
+    import yaml
+
+    from zerotrain.config import ConfigError, check_supported
+    from zerotrain.train.config import load_train_config
+
+    overrides = []
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides.append(f"--{key.strip()}={value}")
+    cfg = load_train_config(args.path, overrides)
+    # What the trainer would refuse only after its workers have started: a misspelt architecture,
+    # features not built, DeepSpeed monitor sections.  Every problem is reported at once.
+    problems = []
+    if cfg.model.architecture is not None:
+        from zerotrain.train.model_checks import check_architecture
+
+        problems += _problem(check_architecture, cfg.model.architecture)
+    problems += _problem(lambda: check_supported(cfg.zero_config(), prefix="zero."))
+    if len(problems) == 1:
+        raise ConfigError(f"{args.path}: {problems[0]}")
+    if problems:
+        raise ConfigError(f"{args.path}:\n" + "\n".join(f"  {p}" for p in problems))
+    for note in cfg.notes:
+        console.print(f"[dim]{escape(note)}[/]")
+    print(yaml.safe_dump(cfg.as_dict(), sort_keys=False, allow_unicode=True), end="")
+    return 0
+
+
+def _problem(check, *args) -> list[str]:
+    """The message of the ConfigError `check(*args)` raises, as a list of none or one."""
+    from zerotrain.config import ConfigError
+
+    try:
+        check(*args)
+    except ConfigError as error:
+        return [str(error)]
+    return []
