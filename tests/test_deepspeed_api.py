@@ -47,7 +47,9 @@ def _train(engine, steps: int, overflow_at: int | None = None) -> list[dict]:
             loss = loss * float("inf")
         engine.backward(loss)
         engine.step()
-        trace.append({"applied": engine.was_step_applied(), "skipped": engine.skipped_steps, "global_steps": engine.global_steps})
+        trace.append(
+            {"applied": engine.was_step_applied(), "skipped": engine.skipped_steps, "global_steps": engine.global_steps}
+        )
     return trace
 
 

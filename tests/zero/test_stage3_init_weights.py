@@ -10,21 +10,20 @@ trajectory do not depend on the stage.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from conftest import run_on_ranks
 
 
-def _initial_weights(stage: int, tied: bool) -> dict[str, torch.Tensor]:
+def _initial_weights(stage: int, tied: bool) -> dict:
     """The trainer's model set-up (seed, tokenizer, model, engine) at `stage`, weights gathered whole."""
     import zerotrain
-    from zerotrain.distributed import init_distributed
     from zerotrain.train.config import load_train_config
     from zerotrain.train.data import load_tokenizer
     from zerotrain.train.model import build_model, decay_groups
     from zerotrain.train.zero_fill import build_engine_config
     from zerotrain.zero import GatheredParameters
 
-    launch = init_distributed()
     overrides = ["--zero.zero_optimization.stage", str(stage),
                  # every parameter sharded, none kept whole for being small
                  "--zero.zero_optimization.stage3_param_persistence_threshold", "0"]
@@ -36,23 +35,26 @@ def _initial_weights(stage: int, tied: bool) -> dict[str, torch.Tensor]:
     zero = cfg.zero_dict()
     model = build_model(cfg.model, tokenizer, zero_init=zero if stage == 3 else None)
     built_deferred = all(p.is_meta for p in model.parameters())
-    engine_cfg, _ = build_engine_config(cfg, model=model, world_size=launch.world_size, device_type="cpu",
-                                        total_steps=10)
+    engine_cfg, _ = build_engine_config(cfg, model=model, world_size=2, device_type="cpu", total_steps=10)
     engine, *_ = zerotrain.initialize(model=model, model_parameters=decay_groups(model, 0.01), config=engine_cfg)
     with GatheredParameters(list(engine.module.parameters())):
         weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     return {"deferred": built_deferred, "weights": weights}
 
 
+def _both_stages(tied: bool) -> dict:
+    from zerotrain.distributed import init_distributed
+
+    init_distributed()
+    return {stage: _initial_weights(stage, tied) for stage in (0, 3)}
+
+
 def _assert_same_initial_model(tied: bool) -> None:
-    stage0 = run_on_ranks(2, _initial_weights, 0, tied)
-    stage3 = run_on_ranks(2, _initial_weights, 3, tied)
-    assert stage3[0]["deferred"] and not stage0[0]["deferred"], "stage 3 must build under zero.Init"
-    reference = stage0[0]["weights"]
-    assert len(reference) > 5
-    for rank in range(2):
-        got = stage3[rank]["weights"]
-        assert sorted(got) == sorted(reference)
+    for rank, result in enumerate(run_on_ranks(2, _both_stages, tied)):
+        stage0, stage3 = result[0], result[3]
+        assert stage3["deferred"] and not stage0["deferred"], "stage 3 must build under zero.Init"
+        reference, got = stage0["weights"], stage3["weights"]
+        assert len(reference) > 5 and sorted(got) == sorted(reference)
         different = [name for name in reference if not torch.equal(got[name], reference[name])]
         assert not different, f"rank {rank}: stage-3 initial weights differ from stage 0 in {different}"
 
@@ -63,3 +65,38 @@ def test_stage3_starts_from_the_stage0_weights_bit_for_bit():
 
 def test_stage3_starts_from_the_stage0_weights_with_tied_embeddings():
     _assert_same_initial_model(tied=True)
+
+
+class _Gain(nn.Module):
+    """A module whose initializer draws a data-dependent amount (trunc_normal_ rejects and redraws)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(dim, dim))
+        self.offset = nn.Parameter(torch.zeros(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.scale, std=0.5)
+        nn.init.normal_(self.offset)
+
+
+def _torch_model() -> nn.Module:
+    torch.manual_seed(7)  # inside the context too: the journal follows a reseed
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), _Gain(32), nn.Embedding(10, 32), nn.Linear(32, 4))
+
+
+def test_torch_modules_under_init_match_an_eager_build_bit_for_bit():
+    from zerotrain.zero import Init
+    from zerotrain.zero.stage import StagePlan, build_flat_params
+
+    torch.manual_seed(0)
+    eager = _torch_model()
+    torch.manual_seed(0)
+    with Init():
+        deferred = _torch_model()
+    assert all(p.is_meta for p in deferred.parameters())
+    trainable = [p for p in deferred.parameters() if p.requires_grad]
+    build_flat_params(deferred, [trainable], StagePlan(0), 10**9, torch.float32)  # as initialize does, one rank
+    for (name, want), (_, got) in zip(eager.state_dict().items(), deferred.state_dict().items()):
+        assert torch.equal(got, want), name

@@ -155,8 +155,9 @@ def export_hf(
 
     config.json comes from `hf_config_dir` when given, else from the config the
     checkpoint recorded; tokenizer and generation files are copied from
-    `hf_config_dir`, else from the `tokenizer/` folder beside the checkpoint's tags. `dtype` defaults to the config's dtype (fp32 if unset), and
-    config.json records the dtype written. Parameter names are checked against
+    `hf_config_dir`, else from the `tokenizer/` folder beside the checkpoint's tags.
+    `dtype` defaults to the config's dtype (fp32 if unset), and config.json records
+    the dtype written. Parameter names are checked against
     the model the config builds before anything is written, and a tied weight is
     written under the name transformers saves it by (e.g. model.embed_tokens.weight).
     """

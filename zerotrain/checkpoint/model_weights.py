@@ -74,7 +74,9 @@ def save_16bit_model(
 def _module_state(module: torch.nn.Module, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor]:
     """The state dict as compact CPU copies (parameters are views into flat buckets);
     tied tensors map to one copy."""
-    frozen = {name for name, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
+    frozen = set()
+    if exclude_frozen_parameters:  # DeepSpeed's rule: the names named_parameters() gives
+        frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
     copies: dict[tuple, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for name, t in module.state_dict().items():

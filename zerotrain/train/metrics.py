@@ -56,7 +56,8 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 _GIB = float(1 << 30)
-_peak_seen = 0.0  # this process's highest reading so far: the peak reported never falls below a current one
+# This process's highest reading so far, per device type: the peak reported never falls below a current one.
+_peak_seen: dict[str, float] = {}
 
 
 def memory_of_this_rank(device: torch.device) -> tuple[float, float]:
@@ -66,7 +67,6 @@ def memory_of_this_rank(device: torch.device) -> tuple[float, float]:
     from /proc/self/statm, the peak from getrusage), so the peak is raised to at least the
     current figure and to every earlier reading: a report never shows current above peak.
     """
-    global _peak_seen
     if device.type == "cuda":
         current = torch.cuda.memory_allocated(device) / _GIB
         peak = torch.cuda.max_memory_allocated(device) / _GIB
@@ -80,8 +80,8 @@ def memory_of_this_rank(device: torch.device) -> tuple[float, float]:
             current = math.nan
     if not math.isnan(current):
         peak = max(peak, current)
-    _peak_seen = max(_peak_seen, peak)
-    return current, _peak_seen
+    _peak_seen[device.type] = max(_peak_seen.get(device.type, 0.0), peak)
+    return current, _peak_seen[device.type]
 
 
 def model_state_bytes(engine: Any) -> dict[str, int]:
@@ -163,7 +163,8 @@ def check_sink_packages(section: Any) -> None:
 
     Cheap to call early (before the model is built): it imports only the enabled sinks' packages.
     """
-    enabled = {"logging.tensorboard.enabled": section.tensorboard.enabled, "logging.wandb.enabled": section.wandb.enabled}
+    enabled = {"logging.tensorboard.enabled": section.tensorboard.enabled,
+               "logging.wandb.enabled": section.wandb.enabled}
     for key, on in enabled.items():
         if on:
             _import_sink(key, SINK_PACKAGES[key][0])

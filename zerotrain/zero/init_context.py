@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from zerotrain import distributed as zdist
-from zerotrain.zero.init_journal import InitJournal, RandomOpRecorder, initializer_names, unwrap
+from zerotrain.zero.init_journal import InitCall, InitJournal, RandomOpRecorder, initializer_names, unwrap
 from zerotrain.zero.units import assign_params_to_units
 
 _DEFERRED = "_zerotrain_deferred"  # on a module built under Init: the InitJournal of its build
@@ -166,29 +166,30 @@ class Materializer:
         in_layers = {id(m) for u in units for m in u.modules()}
         self.unit_modules = [_post_order(model, skip=in_layers), *[_post_order(u, skip=set()) for u in units]]
         self.names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        self.journals = list({id(j): j for m in model.modules() if (j := m.__dict__.get(_DEFERRED)) is not None}.values())
+        journals = (m.__dict__.get(_DEFERRED) for m in model.modules())
+        self.journals = list({id(j): j for j in journals if j is not None}.values())
         self.calls = self._calls_by_module()
         self.done: set[int] = set()
 
-    def _calls_by_module(self) -> dict[int, list[tuple[int, torch.Tensor, object]]]:
+    def _calls_by_module(self) -> dict[int, list[tuple[int, torch.Tensor, InitCall]]]:
         """id(module) -> [(order, generator state, call)]: rank 0's states, so every rank draws alike."""
         own = [(j, i, call) for j, journal in enumerate(self.journals) for i, call in enumerate(journal.calls)]
         rank0 = not (self.world > 1 and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
         states = [s for journal in self.journals for s in journal.call_states()] if rank0 else []
         if self.world > 1:
-            count = torch.tensor([len(own)], dtype=torch.int64, device=self.device)
-            zdist.broadcast(count, 0, "init")
-            if int(count.item()) != len(own):
+            counts = torch.tensor([len(own), -len(own)], dtype=torch.int64, device=self.device)
+            zdist.all_reduce(counts, "init", op=torch.distributed.ReduceOp.MAX)  # every rank learns of a mismatch
+            if int(counts[0]) != -int(counts[1]):
                 raise RuntimeError(
-                    f"zero.Init: rank 0 recorded {int(count.item())} initializer calls while building the model, "
-                    f"this rank {len(own)}: every rank must build the same model"
+                    f"zero.Init: the ranks recorded between {-int(counts[1])} and {int(counts[0])} initializer "
+                    "calls while building the model: every rank must build the same model"
                 )
             size = torch.get_rng_state().numel()
             stacked = torch.stack(states) if rank0 and states else torch.empty(len(own), size, dtype=torch.uint8)
             stacked = stacked.to(self.device)
             if own:
                 zdist.broadcast(stacked, 0, "init")
-            states = list(stacked.cpu().unbind(0))
+            states = [row.clone() for row in stacked.cpu()]  # set_rng_state wants a tensor of its own
         by_module: dict[int, list] = {}
         for order, ((j, i, call), state) in enumerate(zip(own, states)):
             by_module.setdefault(id(call.module), []).append((order, state, call))
@@ -239,6 +240,9 @@ class Materializer:
         bound = {m: {n: work.get(p) for n, p in params.items() if p is not None} for m, params in originals.items()}
         uninitialized: list[str] = []
         calls = sorted((c for m in modules for c in self.calls.get(id(m), [])), key=lambda c: c[0])
+        # Calls that write none of this unit's parameters (e.g. a head's own weight before it was
+        # tied to the embedding) are skipped: they would only fill stand-ins.
+        calls = [c for c in calls if _writes_any(c[2], c[2].module, fresh)]
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 for m in modules:
@@ -248,7 +252,7 @@ class Materializer:
                     m = call.module
                     m._parameters.update({n: work.get(p) for n, p in call.params.items() if p is not None})
                     torch.set_rng_state(state)
-                    call.method(*call.args)
+                    call.replay()
                     m._parameters.update(bound[m])
             work.copy_back()
         finally:
@@ -304,6 +308,15 @@ class _WorkTensors:
         for p, work in self.by_param.values():
             if work is not p and id(p) in self.fresh:
                 p.data.copy_(work)
+
+
+def _writes_any(call, module: nn.Module, fresh: set[int]) -> bool:
+    """Whether a recorded call can write one of the unit's parameters: its module's (as they
+    were at the call) or its submodules'. Each call starts from its own recorded generator
+    state, so skipping one changes no other."""
+    own = [p for p in call.params.values() if p is not None]
+    below = [p for sub in module.modules() if sub is not module for p in sub._parameters.values() if p is not None]
+    return any(id(p) in fresh for p in own + below)
 
 
 def _swap_in(p: nn.Parameter, value: torch.Tensor) -> None:

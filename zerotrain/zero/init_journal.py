@@ -8,23 +8,29 @@ initializes them again with `_init_weights(module)`, module by module. Under `In
 the parameters are meta tensors, and random ops on meta tensors draw nothing, so
 the stream is never consumed. The journal records instead, in order:
 
-- every random op of the build (on meta tensors or real ones): its shapes, strides,
-  dtypes and arguments, enough to consume the same numbers later on a scratch tensor;
 - every outermost initializer call (`reset_parameters()`, `_init_weights(module)`),
   with the parameter objects the module held at that moment (a tied weight is re-bound
   later: the call wrote the module's own parameter, not the one it ends up sharing);
+- every random op outside those calls (on meta tensors or real ones): its shapes,
+  strides, dtypes and arguments, enough to consume the same numbers on a scratch tensor;
 - the generator state whenever it changed behind the journal's back (`torch.manual_seed`
   inside the context).
 
-`call_states` replays the random ops on scratch tensors, one at a time (memory: one
-parameter), and reads the generator state at each call. Materializing a unit then
-reruns its modules' calls, in journal order, each from its recorded state: the values
-an eager build computes, without ever holding more than that unit.
+`call_states` (rank 0, before the first unit) walks the journal: it replays the ops on
+scratch tensors and each call on scratch stand-ins for its module's parameters, one at
+a time (memory: one module), reading the generator state as each call starts. Replaying
+whole calls, not their ops, consumes exactly what the eager call did, even where that
+depends on the values drawn (rejection sampling) or where an initializer skips meta
+tensors altogether (`trunc_normal_`). Materializing a unit then reruns its modules'
+calls, in journal order, each from its recorded state: the values an eager build
+computes, without ever holding more than that unit.
 
 Values a module computed outside any initializer (`nn.Parameter(torch.randn(d))` in its
 `__init__`) are kept from `__init__` when small (see `init_context`), drawn at a
-different point of the stream than an eager build would: such models match only
-approximately in distribution, as before.
+different point of the stream than an eager build would: those match only in
+distribution. An initializer that writes its submodules' parameters is replayed with
+its own parameters only (the submodules stay meta while the journal is walked), so it
+matches only in distribution too.
 """
 
 from __future__ import annotations
@@ -68,7 +74,26 @@ class InitCall:
     module: nn.Module  # the module whose parameters it initializes
     method: Callable[..., Any]  # the original (unwrapped) bound method
     args: tuple
+    kwargs: dict
     params: dict[str, nn.Parameter]  # module._parameters at the time of the call
+
+    def replay(self) -> None:
+        self.method(*self.args, **self.kwargs)
+
+    def replay_on_scratch(self) -> None:
+        """Runs the call on throwaway CPU tensors standing for the module's parameters, only to
+        consume the generator as the eager call did (rejection sampling draws a data-dependent
+        amount; `trunc_normal_` draws nothing at all on a meta tensor)."""
+        saved = dict(self.module._parameters)
+        try:
+            for name, p in self.params.items():
+                if p is not None:
+                    self.module._parameters[name] = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
+                                                                 requires_grad=p.requires_grad)
+            self.replay()
+        finally:
+            self.module._parameters.clear()
+            self.module._parameters.update(saved)
 
 
 @dataclass
@@ -89,6 +114,10 @@ class InitJournal:
         if self._expected_state is None or not torch.equal(state, self._expected_state):
             self.events.append(("state", state))
             self._expected_state = state
+
+    def wants_op(self) -> bool:
+        """Random ops inside an initializer call are consumed by replaying the call itself."""
+        return self.recording and self._depth == 0
 
     def record_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         self._sync_state()
@@ -111,12 +140,14 @@ class InitJournal:
             target = args[0] if name == "_init_weights" and args and isinstance(args[0], nn.Module) else module
             journal._sync_state()
             journal.events.append(("call", len(journal.calls)))
-            journal.calls.append(InitCall(target, method, args, dict(target._parameters)))
+            journal.calls.append(InitCall(target, method, args, kwargs, dict(target._parameters)))
             journal._depth += 1
             try:
                 return method(*args, **kwargs)
             finally:
                 journal._depth -= 1
+                # Whatever the call drew is accounted for by replaying it: not a reseed.
+                journal._expected_state = torch.get_rng_state()
 
         setattr(recorded, _RECORDED, True)
         object.__setattr__(module, name, recorded)
@@ -136,6 +167,7 @@ class InitJournal:
                     func(*tree_map(_scratch, args), **_on_cpu(tree_map(_scratch, kwargs)))  # consumed, dropped
                 else:
                     states.append(torch.get_rng_state())
+                    self.calls[event[1]].replay_on_scratch()
         return states
 
     def close(self) -> None:
@@ -155,7 +187,7 @@ class RandomOpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        record = self.journal.recording and self._is_random(func) and _draws_from_cpu_default(args, kwargs)
+        record = self.journal.wants_op() and self._is_random(func) and _draws_from_cpu_default(args, kwargs)
         if record:
             self.journal.record_op(func, args, kwargs)
         out = func(*args, **kwargs)

@@ -67,7 +67,8 @@ class TokenizeProgress:
         """The closing line: what was tokenized and how long it took."""
         if self.enabled:
             seconds = time.perf_counter() - self._started
-            self._print(f"tokenized {self.label}: {num_documents:,} documents, {num_tokens:,} tokens in {seconds:.1f} s")
+            self._print(f"tokenized {self.label}: {num_documents:,} documents, {num_tokens:,} tokens "
+                        f"in {seconds:.1f} s")
 
     # --- display ---------------------------------------------------------------------------------
 
