@@ -43,16 +43,14 @@ def test_reported_peak_is_never_below_the_current_figure(monkeypatch):
 
 
 def _model_states(stage: int) -> list:
-    """Every rank's memory after one step of the default model at `stage` (fp32, 2 ranks)."""
+    """Every rank's memory after one step of the default model at `stage` (fp32, 2 ranks; a collective)."""
     import zerotrain
-    from zerotrain.distributed import init_distributed
     from zerotrain.train.config import load_train_config
     from zerotrain.train.data import load_tokenizer
     from zerotrain.train.metrics import gather_memory
     from zerotrain.train.model import build_model, decay_groups
     from zerotrain.train.zero_fill import build_engine_config
 
-    init_distributed()
     cfg = load_train_config(None, ["--zero.zero_optimization.stage", str(stage),
                                    "--zero.zero_optimization.stage3_param_persistence_threshold", "0"])
     torch.manual_seed(0)
@@ -66,8 +64,15 @@ def _model_states(stage: int) -> list:
     return gather_memory(torch.device("cpu"), engine)
 
 
+def _stages_0_and_3() -> tuple[list, list]:
+    from zerotrain.distributed import init_distributed
+
+    init_distributed()
+    return _model_states(0), _model_states(3)
+
+
 def test_stage3_model_states_per_rank_are_half_of_stage0s():
-    stage0, stage3 = run_on_ranks(2, _model_states, 0)[0], run_on_ranks(2, _model_states, 3)[0]
+    stage0, stage3 = run_on_ranks(2, _stages_0_and_3)[0]
     assert len(stage0) == len(stage3) == 2  # every rank's figures, gathered on each
     for r in range(2):
         full, sharded = stage0[r], stage3[r]
