@@ -187,3 +187,11 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint_and_names_folder_an
         assert result["loaded"].endswith("global_step1")
     assert (tmp_path / "latest").read_text().strip() == "global_step1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest"]  # no .tmp left
+
+
+def test_checkpoint_files_get_the_usual_file_mode(saved):
+    umask = os.umask(0)
+    os.umask(umask)
+    root, _ = saved
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert files and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o666 & ~umask)}

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from zerotrain.checkpoint.consolidate import default_file_mode
 from zerotrain.checkpoint.coordination import Coordinator
 from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.layout import (
@@ -136,6 +137,7 @@ def _write_rank_files(engine, tmp: Path) -> tuple[dict[str, list], int]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     path = tmp / shard_file(engine.rank)
     save_file(tensors, str(path), metadata={"format": FORMAT})
+    os.chmod(path, default_file_mode())  # safetensors creates 0600; a checkpoint is an ordinary file
     _fsync(path)
     rng_path = tmp / rng_file(engine.rank)
     torch.save(_rng_state(), rng_path)

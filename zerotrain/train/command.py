@@ -111,6 +111,7 @@ def _main_train(argv: Sequence[str]) -> int:
     from zerotrain.config.errors import ConfigError
     from zerotrain.error_report import print_user_error
     from zerotrain.train.config import load_train_config
+    from zerotrain.train.metrics import check_sink_packages
     from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
     from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
 
@@ -120,6 +121,7 @@ def _main_train(argv: Sequence[str]) -> int:
             print(TRAIN_HELP)
             return 0
         cfg = load_train_config(config, overrides)
+        check_sink_packages(cfg.logging)  # a missing wandb/tensorboard fails now, before any process starts
         resume = "auto" if flags["resume"] else cfg.training.resume
         run_dir = Path(cfg.output.dir)
         under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks()
