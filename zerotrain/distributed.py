@@ -119,6 +119,22 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, purpose: str, group=Non
     return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def reduce_scatter_is_all_reduce(group=None) -> bool:
+    """Gloo implements reduce_scatter_tensor as an all-reduce of a clone of its input, then a copy of
+    the rank's chunk: on Gloo `reduce_scatter_in_place` moves the same data without the clone."""
+    return dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter_in_place(t: torch.Tensor, purpose: str, group=None, async_op: bool = False):
+    """Sums `t` over ranks in place, after which rank r's 1/N chunk of `t` is its reduce-scatter result.
+
+    An all-reduce: only for backends whose reduce-scatter is one anyway (`reduce_scatter_is_all_reduce`).
+    Counted as the reduce-scatter it stands for, t.numel().
+    """
+    COMM_COUNTER.add(purpose, t.numel())
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
 def all_gather(out: torch.Tensor, inp: torch.Tensor, purpose: str, group=None, async_op: bool = False):
     """Concatenates every rank's `inp` into `out` (rank order); counted as out.numel()."""
     COMM_COUNTER.add(purpose, out.numel())

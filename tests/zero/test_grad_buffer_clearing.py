@@ -43,3 +43,15 @@ def test_clearing_does_not_write_the_buffer():
     fp.clear_grad_full()
     assert torch.equal(buffer[:3], torch.full((3,), 5.0)), "no memset at clear time"
     assert fp.ensure_grad_full() is buffer and torch.equal(buffer, torch.zeros(8)), "zeroed when read"
+
+
+def test_a_shard_viewing_the_whole_gradient_keeps_its_values_when_the_buffer_is_written_again():
+    fp = _flat_param()  # rank 0 of 2: its shard is elements [0, 4)
+    fp.add_grad(0, torch.full((3,), 5.0))
+    fp.ensure_grad_full()
+    fp.use_grad_full_slice_as_shard()  # as after an in-place reduction (Gloo)
+    assert fp.grad_shard_is_view_of_full
+    fp.clear_grad_full()
+    fp.add_grad(1, torch.full((2, 2), 1.0))  # a second backward before the step
+    assert not fp.grad_shard_is_view_of_full, "the shard got memory of its own before the write"
+    assert torch.equal(fp.grad_shard, torch.tensor([5.0, 5.0, 5.0, 0.0]))

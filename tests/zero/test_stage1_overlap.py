@@ -93,6 +93,24 @@ def _no_sync_at_the_boundary(world: int) -> dict:
     return {"weights": weights, "grad_elements": step_grad_elements, "psi_padded": psi_padded}
 
 
+def _two_backwards_before_the_step(world: int) -> dict:
+    """Two boundary backwards before one step, against one backward of the summed loss."""
+    weights = {}
+    for split in (False, True):
+        engine = _engine(stage=1, world=world, gas=1)
+        chunk = _micro_batch(engine, 0, 0)
+        first, second = chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]
+        losses = [engine(input_ids=ids, labels=ids).loss for ids in (first, second)]
+        if split:
+            for loss in losses:
+                engine.backward(loss)
+        else:
+            engine.backward(losses[0] + losses[1])
+        engine.step()
+        weights[split] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return weights
+
+
 @pytest.fixture(scope="module")
 def observed():
     return run_on_ranks(2, _observe, 2)
@@ -128,3 +146,9 @@ def test_stage1_boundary_backward_inside_no_sync_is_reduced_by_the_step():
         assert r["grad_elements"][True] == (0, psi), "inside no_sync: reduced by the step instead"
         for name, w in r["weights"][False].items():
             torch.testing.assert_close(r["weights"][True][name], w, msg=name)
+
+
+def test_stage1_second_backward_before_the_step_adds_to_the_reduced_shard():
+    for r in run_on_ranks(2, _two_backwards_before_the_step, 2):
+        for name, w in r[False].items():
+            torch.testing.assert_close(r[True][name], w, msg=name)

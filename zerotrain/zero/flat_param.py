@@ -199,7 +199,22 @@ class FlatParam:
         """The whole gradient reads as zeros from now on, without writing Ψ zeros (see `add_grad`)."""
         self._grad_unwritten = [True] * len(self.params)
 
+    def use_grad_full_slice_as_shard(self) -> None:
+        """After an in-place reduction of `grad_full`: the rank's slice of it is the gradient shard.
+
+        A view, not a copy. The next write to `grad_full` (a backward before the step uses the
+        shard) first gives the shard memory of its own.
+        """
+        self.grad_shard = self.grad_full[self.shard_start : self.shard_start + self.shard_size]
+
+    @property
+    def grad_shard_is_view_of_full(self) -> bool:
+        """The gradient shard is a slice of `grad_full` (it holds no memory of its own)."""
+        return self.grad_shard is not None and self.grad_full is not None and self.grad_shard._base is self.grad_full
+
     def _grad_buffer(self) -> torch.Tensor:
+        if self.grad_shard_is_view_of_full:
+            self.grad_shard = self.grad_shard.clone()  # grad_full is about to be written
         if self.grad_full is None:
             # Uninitialized: every slot is written by its gradient or zeroed by ensure_grad_full.
             self.grad_full = torch.empty(self.padded_numel, dtype=self.data.dtype, device=self.data.device)

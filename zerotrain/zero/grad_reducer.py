@@ -10,12 +10,16 @@ sequence, whatever parameters its data left unused; the rest are flushed by a
 callback at the end of backward.
 
 Stage 0 all-reduces the whole gradient. Stages 1-3 reduce-scatter it into the
-rank's gradient shard (stage 1 straight into a new one: its shard exists only from
-the boundary backward to the step); stage 1 keeps the whole-gradient buffer for the
-next accumulation, stages 2-3 free it, so between micro-steps a rank keeps only its
-shard. A backward that does not reduce (stages 0-1 before the boundary, or inside
-`no_sync()`) leaves `unreduced` set; the engine's step then reduces what is left. With the optimizer on NVMe (stages 2-3)
-that shard is parked on disk too (`nvme_grads.py`).
+rank's gradient shard; stage 1 keeps the whole-gradient buffer for the next
+accumulation, stages 2-3 free it, so between micro-steps a rank keeps only its
+shard. Stage 1's shard exists only from the boundary backward to the step: the
+reduction writes straight into a new one (NCCL), or, on Gloo, whose reduce-scatter
+is an all-reduce of a clone of its input, the bucket is all-reduced in place and the
+shard is the rank's slice of it, so no copy and no Ψ-sized temporary is made. A
+backward that does not reduce (stages 0-1 before the boundary, or inside
+`no_sync()`) leaves `unreduced` set; the engine's step then reduces what is left.
+With the optimizer on NVMe (stages 2-3) the shard is parked on disk too
+(`nvme_grads.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerotrain import distributed as zdist
@@ -59,6 +64,8 @@ class GradReducer:
         self.unreduced = False  # gradients accumulated by a backward that did not reduce them
         self.boundary = True  # this backward ends the accumulation: its gradients are the step's last
         self.grad_swap = grad_swap  # NvmeGradOffload: reduced shards parked on NVMe
+        # Gloo: reduce-scatter by all-reducing the bucket in place (see zdist.reduce_scatter_in_place).
+        self.in_place = dist.is_initialized() and zdist.reduce_scatter_is_all_reduce()
         self._slot: dict[nn.Parameter, tuple[int, int]] = {}
         for b, fp in enumerate(flat_params):
             for i, p in enumerate(fp.params):
@@ -132,6 +139,11 @@ class GradReducer:
         if self.stage == 0:
             work = zdist.all_reduce(send, "grad", async_op=True)
             out = send
+        elif self.in_place:
+            work = zdist.reduce_scatter_in_place(send, "grad", async_op=True)
+            out = send[fp.shard_start : fp.shard_start + fp.shard_size]  # the rank's part of the sum
+            if self.grad_swap is not None:
+                self.grad_swap.prefetch(fp)
         else:
             out = self._reduce_scatter_target(fp, send)
             work = zdist.reduce_scatter(out, send, "grad", async_op=True)
@@ -154,6 +166,10 @@ class GradReducer:
         if self.grad_swap is not None:
             self.grad_swap.accumulate(fp, out, final=self.boundary)
             fp.grad_full = None
+            return
+        if self.stage == 1 and fp.grad_shard is None and send is fp.grad_full:
+            fp.use_grad_full_slice_as_shard()  # in place (Gloo): the shard is `out`, no copy
+            fp.clear_grad_full()
             return
         shard = fp.grad_of_shard()
         if out is not shard:

@@ -244,7 +244,8 @@ class ZeroOptimizer:
             out["params"] += fp.data.untyped_storage().nbytes()  # 0 while a stage-3 unit is freed
             if fp.local_shard is not None:
                 out["params"] += fp.local_shard.untyped_storage().nbytes()  # 0 while parked on NVMe
-            for g in (fp.grad_full, fp.grad_shard if fp.sharded else None):
+            shard_own = fp.sharded and not fp.grad_shard_is_view_of_full  # a view holds no memory
+            for g in (fp.grad_full, fp.grad_shard if shard_own else None):
                 if g is not None:
                     out["grads"] += g.untyped_storage().nbytes()
             if not fp.master_is_param:
