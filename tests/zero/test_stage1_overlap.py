@@ -29,7 +29,8 @@ def _engine(stage: int, world: int, gas: int):
     import zerotrain
 
     model = make_model()
-    engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=zero_config(stage, world, gas))
+    config = zero_config(stage, world, gas)
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
     return engine
 
 
@@ -42,7 +43,9 @@ def _observe(world: int) -> dict:
     # were issued while backward was still running.
     embed = engine.module.model.embed_tokens.weight
     grad_calls_when_embed_grad_arrived = []
-    embed.register_post_accumulate_grad_hook(lambda p: grad_calls_when_embed_grad_arrived.append(COMM_COUNTER.calls["grad"]))
+    embed.register_post_accumulate_grad_hook(
+        lambda p: grad_calls_when_embed_grad_arrived.append(COMM_COUNTER.calls["grad"])
+    )
     out = {"buckets": len(engine.flat_params), "psi_padded": psi_padded}
 
     COMM_COUNTER.reset()
@@ -127,7 +130,8 @@ def test_stage1_reduce_scatters_buckets_while_the_boundary_backward_runs(observe
     for r in observed:
         b = r["boundary_backward"]
         assert r["buckets"] > 2, "the test model must span several buckets"
-        assert b["grad_calls_when_embed_grad_arrived"] > 0, "buckets were reduce-scattered before backward ended"
+        # every bucket but the embedding's own was launched while backward was still running
+        assert b["grad_calls_when_embed_grad_arrived"] >= r["buckets"] - 1
         assert b["grad_elements"] == r["psi_padded"], "every bucket reduce-scattered once, by backward"
         assert b["in_flight"] == 0 and not b["unreduced"] and b["shards_present"]
 
