@@ -22,7 +22,7 @@ install: $(VENV)/.installed
 
 # The embedded default job: a small Llama learning generated arithmetic on 2 processes.
 demo: install
-	$(VENV)/bin/zerotrain train
+	$(VENV)/bin/zerotrain train --overwrite  # a demo re-runs from scratch; real runs refuse to overwrite
 
 test: install
 	$(PY) -m pytest -q
