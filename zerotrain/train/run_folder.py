@@ -118,6 +118,17 @@ def resolve_resume(resume: str, run_dir: Path) -> ResumePoint | None:
     )
 
 
+def checkpoint_tag(step: int) -> str:
+    """The tag `zerotrain train` saves the checkpoint of `step` under."""
+    return f"step{step}"
+
+
+def run_tags_up_to(checkpoints: Path, step: int) -> list[str]:
+    """A run's own tags in its checkpoints folder up to `step` (the one resumed from), oldest first."""
+    steps = [int(p.name[4:]) for p in checkpoints.glob("step*") if p.name[4:].isdigit()]
+    return [checkpoint_tag(s) for s in sorted(steps) if s <= step]
+
+
 def tags_to_prune(checkpoints: Path, written_by_this_run: list[str], keep: int) -> list[str]:
     """The tags `output.keep_checkpoints` removes: this run's own, oldest first, never `latest`'s."""
     latest_file = checkpoints / LATEST

@@ -26,19 +26,19 @@ import torch
 import torch.distributed as dist
 
 import zerotrain
+from zerotrain.checkpoint.hf_export import TOKENIZER_DIR
 from zerotrain.distributed import device_for, init_distributed
 from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory, peak_tflops
 from zerotrain.train.model import build_model, decay_groups, enable_gradient_checkpointing, max_positions
 from zerotrain.train.progress import TrainingProgress
 from zerotrain.train.run_control import StopSignal, mark_started
-from zerotrain.train.run_folder import resolve_resume, tags_to_prune
+from zerotrain.train.run_folder import checkpoint_tag, resolve_resume, run_tags_up_to, tags_to_prune
 
 log = logging.getLogger("zerotrain")
 # Tests simulate a crash (every rank SIGKILLed right after this step) to check resumption.
 CRASH_ENV = "ZEROTRAIN_TEST_CRASH_AFTER_STEP"
 CHECKPOINTS = "checkpoints"
 HF_DIR = "hf"
-TOKENIZER_DIR = "tokenizer"  # beside the tags in the checkpoints folder
 
 
 @dataclass
@@ -275,7 +275,7 @@ class Trainer:
         state = RunState(self.state.step, self.state.tokens,
                          self.state.train_seconds + time.perf_counter() - start, self.batches.state_dict(),
                          **self._plan())
-        tag = f"step{state.step}"
+        tag = checkpoint_tag(state.step)
         self.engine.save_checkpoint(checkpoints, tag=tag, client_state={"run_state": state.__dict__})
         self.last_save_step = state.step
         if tag in self.written_tags:
@@ -306,9 +306,7 @@ class Trainer:
         self.last_save_step = self.state.step
         if point.load_dir.resolve() == (self.run_dir / CHECKPOINTS).resolve():
             # This run's own earlier checkpoints, up to the one resumed from, are its to prune.
-            earlier = [p.name for p in point.load_dir.glob("step*") if p.name[4:].isdigit()
-                       and int(p.name[4:]) <= self.state.step]
-            self.written_tags = sorted(earlier, key=lambda name: int(name[4:]))
+            self.written_tags = run_tags_up_to(point.load_dir, self.state.step)
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.state.step)
             for change in _plan_changes(saved, self._plan()):

@@ -139,14 +139,13 @@ class GradReducer:
         if self.stage == 0:
             work = zdist.all_reduce(send, "grad", async_op=True)
             out = send
-        elif self.in_place:
-            work = zdist.reduce_scatter_in_place(send, "grad", async_op=True)
-            out = send[fp.shard_start : fp.shard_start + fp.shard_size]  # the rank's part of the sum
-            if self.grad_swap is not None:
-                self.grad_swap.prefetch(fp)
         else:
-            out = self._reduce_scatter_target(fp, send)
-            work = zdist.reduce_scatter(out, send, "grad", async_op=True)
+            if self.in_place:
+                work = zdist.reduce_scatter_in_place(send, "grad", async_op=True)
+                out = send[fp.shard_start : fp.shard_start + fp.shard_size]  # the rank's part of the sum
+            else:
+                out = self._reduce_scatter_target(fp, send)
+                work = zdist.reduce_scatter(out, send, "grad", async_op=True)
             if self.grad_swap is not None:
                 self.grad_swap.prefetch(fp)  # the shard so far comes in while the reduction runs
         if self.stage == 3:
