@@ -287,3 +287,11 @@ def test_help_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[:2] for line in proc.stdout.splitlines()] == [["usage:", "zerotrain"]] * 3
     assert "BrokenPipe" not in proc.stderr and "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["launch", "no_such_script.py"], ["consolidate", "no_such_dir", "out"]])
+def test_a_users_bad_path_is_a_plain_message_not_an_unexpected_error(zerotrain_cli, argv):
+    proc = zerotrain_cli(*argv)
+    assert proc.returncode == 2
+    assert argv[1] in proc.stderr
+    assert "Error:" not in proc.stderr and "ZEROTRAIN_DEBUG" not in proc.stderr and "Traceback" not in proc.stderr

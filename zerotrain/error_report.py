@@ -49,7 +49,15 @@ def print_user_error(
 
 
 def _is_unexpected(error: BaseException | str) -> bool:
-    """Errors that are not the user's input (a bug, or the environment): worth a traceback hint."""
-    from zerotrain.config.errors import ConfigError
+    """Errors that are not the user's input (a bug, or the environment): worth a traceback hint.
 
-    return isinstance(error, BaseException) and not isinstance(error, (ConfigError, ValueError, OSError))
+    The user's input is a config, a file or path, a command line, a checkpoint or a run folder:
+    the error classes raised for those say what is wrong and how to fix it by themselves.
+    """
+    from zerotrain.checkpoint.errors import CheckpointError
+    from zerotrain.config.errors import ConfigError
+    from zerotrain.launcher.local import LaunchError
+    from zerotrain.train.run_control import RunControlError
+
+    expected = (ConfigError, ValueError, OSError, CheckpointError, LaunchError, RunControlError)
+    return isinstance(error, BaseException) and not isinstance(error, expected)
