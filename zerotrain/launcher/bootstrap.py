@@ -18,8 +18,10 @@ before the user's code decides to. It therefore imports nothing from zerotrain.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import runpy
+import signal
 import sys
 import time
 from types import TracebackType
@@ -32,6 +34,10 @@ WITHOUT_LOCAL_RANK = "no_local_rank"
 FAILURE_TIMES_ENV = "ZEROTRAIN_FAILURE_TIMES_DIR"
 # Exit status of a rank stopped by Ctrl-C, as a shell reports it (128 + SIGINT).
 INTERRUPTED_EXIT_CODE = 130
+# Set by the launcher (--bind_cores_to_rank): pin each rank to its own share of the cores.
+BIND_CORES_ENV = "ZEROTRAIN_BIND_CORES"
+# The signal on which every rank prints the Python stack of each of its threads (hang help).
+DUMP_STACKS_SIGNAL = signal.SIGUSR1
 
 
 def build_bootstrap_args(target: str, target_args: list[str], *, module: bool, local_rank_arg: bool) -> list[str]:
@@ -142,6 +148,22 @@ def _end_failed_rank(code: int) -> None:
         os._exit(code)
 
 
+def bind_cores_to_rank() -> None:
+    """Pins this rank to its contiguous share of the cores it may use, and sizes OpenMP to match.
+
+    Runs before torch is imported, so OMP_NUM_THREADS still takes effect.
+    """
+    if os.environ.get(BIND_CORES_ENV) != "1" or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    local_size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    share = max(1, len(cores) // local_size)
+    mine = cores[local_rank * share:(local_rank + 1) * share] or [cores[local_rank % len(cores)]]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+
+
 def main() -> None:
     """Worker entry: runs the target under torch elastic's ``record``.
 
@@ -152,6 +174,9 @@ def main() -> None:
     """
     # Before importing torch, so that everything imports as under `python TARGET`.
     is_module, target = prepare_target(sys.argv[1:])
+    bind_cores_to_rank()
+    # `zerotrain launch` sends this signal when asked where a job hangs.
+    faulthandler.register(DUMP_STACKS_SIGNAL, all_threads=True)
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:

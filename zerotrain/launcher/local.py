@@ -135,6 +135,22 @@ def module_importable(name: str) -> bool:
         importlib.invalidate_caches()
 
 
+def worker_command(
+    target: str, target_args: Sequence[str], *, module: bool, no_python: bool, local_rank_arg: bool
+) -> list[str]:
+    """What torchrun runs in each worker, after its own flags: our bootstrap (or the program)."""
+    if no_python:
+        from torch.distributed.elastic.utils import macros
+
+        # The agent replaces the ${local_rank} macro in each worker's arguments.
+        rank_arg = [f"--local_rank={macros.local_rank}"] if local_rank_arg else []
+        return ["--no_python", target, *rank_arg, *target_args]
+    bootstrap_args = bootstrap.build_bootstrap_args(
+        target, list(target_args), module=module, local_rank_arg=local_rank_arg
+    )
+    return [os.path.abspath(bootstrap.__file__), *bootstrap_args]
+
+
 def torchrun_argv(launch: LocalLaunch, nproc: int, master_port: int) -> list[str]:
     """The torchrun command line that runs `launch` on this machine alone.
 
@@ -150,20 +166,14 @@ def torchrun_argv(launch: LocalLaunch, nproc: int, master_port: int) -> list[str
         "--max_restarts=0",
         f"--monitor_interval={MONITOR_INTERVAL_S}",
     ]
-    if launch.no_python:
-        from torch.distributed.elastic.utils import macros
-
-        # The agent replaces the ${local_rank} macro in each worker's arguments.
-        rank_arg = [f"--local_rank={macros.local_rank}"] if launch.local_rank_arg else []
-        return [*argv, "--no_python", launch.target, *rank_arg, *launch.target_args]
-    bootstrap_args = bootstrap.build_bootstrap_args(
-        launch.target, list(launch.target_args), module=launch.module, local_rank_arg=launch.local_rank_arg
+    return argv + worker_command(
+        launch.target, launch.target_args, module=launch.module, no_python=launch.no_python,
+        local_rank_arg=launch.local_rank_arg,
     )
-    return [*argv, os.path.abspath(bootstrap.__file__), *bootstrap_args]
 
 
 @contextlib.contextmanager
-def _quiet_agent_logs() -> Iterator[None]:
+def quiet_agent_logs() -> Iterator[None]:
     """Silences the agent's own log lines while it runs, unless the user set LOGLEVEL.
 
     On a failure the agent logs pids, binaries and SIGTERMs; our summary says
@@ -235,7 +245,7 @@ def launch_local(launch: LocalLaunch, console: Console | None = None, quiet_inte
     )
     failure_times_dir = tempfile.mkdtemp(prefix="zerotrain-launch-")
     try:
-        with _worker_environment(nproc, failure_times_dir), _quiet_agent_logs():
+        with _worker_environment(nproc, failure_times_dir), quiet_agent_logs():
             run(parse_args(torchrun_argv(launch, nproc, master_port)))
     except ChildFailedError as error:
         codes = {failure.exitcode for failure in (getattr(error, "failures", None) or {}).values()}

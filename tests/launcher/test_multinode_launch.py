@@ -1,0 +1,192 @@
+"""`zerotrain launch` across two real sshd "nodes" on loopback addresses, end to end.
+
+The console script runs from a temp folder, as a user runs it; nodes are reached through
+`--ssh_args "-F <ssh_config>"`; Gloo stays on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from sshd_nodes import processes_with_env
+
+from conftest import FIXTURES, zerotrain_script
+
+SCRIPTS = FIXTURES / "scripts"
+TRAIN = SCRIPTS / "multinode_train.py"
+LOSS = re.compile(r"LOSS step=(\d+) loss=(\S+)")
+LAYOUT = re.compile(r"^\[(\S+) (\d+)\]: LAYOUT (.*)$", re.M)
+# A job that is stopped must be gone from every node within this many seconds.
+TEARDOWN_S = 30
+
+
+def _env(job_id: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PET_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", ZEROTRAIN_JOB_ID=job_id)
+    return env
+
+
+def _launch_argv(cluster, *args: str, port: int) -> list[str]:
+    return [zerotrain_script(), "launch", "--hostfile", str(cluster.hostfile(slots=2)), "--ssh_args",
+            cluster.ssh_args, "--master_port", str(port), *args]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _run(cluster, cwd: Path, *args: str, job_id: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(_launch_argv(cluster, *args, port=_free_port()), cwd=cwd, env=_env(job_id),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(output: str) -> list[float]:
+    return [float(m.group(2)) for m in LOSS.finditer(output)]
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_two_nodes_of_two_ranks_train_like_one_node_of_four_with_deepspeed_env(ssh_cluster, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    shutil.copy(FIXTURES / "configs" / "deepspeed_env", cwd / ".deepspeed_env")
+    tricky = "a b 'c' \"d\" $HOME; echo e \\ f"
+    job = f"same-{uuid.uuid4().hex[:8]}"
+    done = _run(ssh_cluster, cwd, "--env", f"ZEROTRAIN_TEST_VALUE={tricky}", str(TRAIN), job_id=job)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    layouts = {int(rank): (host, json.loads(body)) for host, rank, body in LAYOUT.findall(done.stdout)}
+    assert sorted(layouts) == [0, 1, 2, 3], done.stdout
+    first, second = (node.address for node in ssh_cluster.nodes[:2])
+    for rank, (host, seen) in layouts.items():
+        assert host == (first if rank < 2 else second)  # nodes in hostfile order, ranks contiguous
+        assert seen["RANK"] == str(rank) and seen["WORLD_SIZE"] == "4" and seen["LOCAL_SIZE"] == "2"
+        assert seen["LOCAL_RANK"] == str(rank % 2) and seen["local_rank_arg"] == rank % 2
+        assert seen["CROSS_RANK"] == str(rank // 2) and seen["CROSS_SIZE"] == "2"
+        assert seen["MASTER_ADDR"] == first
+        assert seen["PROJECT_PATH"] == "/srv/nfs/staging"  # .deepspeed_env: the last value wins
+        assert seen["ZEROTRAIN_TEST_VALUE"] == tricky
+    local = subprocess.run([zerotrain_script(), "launch", "--num_gpus", "4", "--master_port", str(_free_port()),
+                            str(TRAIN)], cwd=cwd, env=_env(f"local-{job}"), capture_output=True, text=True,
+                           timeout=180)
+    assert local.returncode == 0, local.stderr[-3000:]
+    two_nodes, one_node = _losses(done.stdout), _losses(local.stdout)
+    assert len(two_nodes) == len(one_node) == 4
+    for a, b in zip(two_nodes, one_node):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (two_nodes, one_node)
+    assert "job finished on 2 nodes (4 ranks)" in done.stderr
+
+
+def test_failing_rank_on_second_node_stops_the_job_everywhere_and_spares_another_job(ssh_cluster, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    bystander_id = f"bystander-{uuid.uuid4().hex[:8]}"
+    bystander = subprocess.Popen(
+        _launch_argv(ssh_cluster, str(SCRIPTS / "sleep_forever.py"), str(tmp_path), port=_free_port()),
+        cwd=cwd, env=_env(bystander_id), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: len(list(tmp_path.glob("rank*.pid"))) == 4, 90, "the bystander job's 4 ranks")
+        job = f"failing-{uuid.uuid4().hex[:8]}"
+        start = time.monotonic()
+        done = _run(ssh_cluster, cwd, str(TRAIN), "--fail-rank", "3", job_id=job)
+        took = time.monotonic() - start
+        assert done.returncode != 0
+        assert "first failure: node 127.0.0.3" in done.stderr and "rank 3" in done.stderr, done.stderr
+        assert "RuntimeError: rank 3 failed on purpose" in done.stderr
+        assert took < 90, took
+        _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", job), TEARDOWN_S, "the failed job's processes")
+        survivors = processes_with_env("ZEROTRAIN_JOB_ID", bystander_id)
+        assert len(survivors) >= 4 and bystander.poll() is None, "the other job must survive"
+        # SIGTERM to the launcher stops the bystander on both nodes.
+        bystander.send_signal(signal.SIGTERM)
+        assert bystander.wait(TEARDOWN_S) == 128 + signal.SIGTERM
+        _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", bystander_id), 5, "the stopped job's processes")
+    finally:
+        if bystander.poll() is None:
+            bystander.kill()
+            bystander.wait()
+
+
+def test_sigkill_of_the_launcher_ends_every_process_of_the_job(ssh_cluster, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    job = f"killed-{uuid.uuid4().hex[:8]}"
+    launcher = subprocess.Popen(
+        _launch_argv(ssh_cluster, str(SCRIPTS / "sleep_forever.py"), str(tmp_path), port=_free_port()),
+        cwd=cwd, env=_env(job), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(lambda: len(list(tmp_path.glob("rank*.pid"))) == 4, 90, "4 ranks")
+        assert len(processes_with_env("ZEROTRAIN_JOB_ID", job)) >= 4
+        launcher.kill()
+        launcher.wait()
+        _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", job), TEARDOWN_S, "every process of the job")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def test_hang_timeout_prints_every_ranks_python_stack(ssh_cluster, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    job = f"hang-{uuid.uuid4().hex[:8]}"
+    launcher = subprocess.Popen(
+        _launch_argv(ssh_cluster, "--hang_timeout", "4", str(TRAIN), "--hang-rank", "2", "--steps", "3",
+                     port=_free_port()),
+        cwd=cwd, env=_env(job), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 120
+        assert launcher.stderr is not None
+        while time.monotonic() < deadline:
+            line = launcher.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if re.match(r"\[127\.0\.0\.3 2\]: .*in <module>", line):
+                break
+        text = "".join(lines)
+        assert "no output for 4 s" in text, text[-3000:]
+        assert re.search(r"\[127\.0\.0\.3 2\]: .*(most recent call first)", text), text[-3000:]
+        assert re.search(r'\[127\.0\.0\.3 2\]: .*File ".*multinode_train.py", line \d+ in <module>', text)
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(TEARDOWN_S) == 130
+        _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", job), 5, "the job's processes")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_dry_run_prints_the_rank_table_and_each_node_command_without_connecting(tmp_path, zerotrain_cli):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=4\nworker-1 slots=4  # second\n")
+    (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
+    done = zerotrain_cli("launch", "--hostfile", hostfile, "--include", "worker-0:0,1@worker-1:2,3",
+                         "--master_addr", "10.1.2.3", "--dry_run", "train.py", "--lr", "1e-3")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"0\s*│\s*worker-0\s*│\s*0,1\s*│\s*0-1", done.stderr), done.stderr
+    assert re.search(r"1\s*│\s*worker-1\s*│\s*2,3\s*│\s*2-3", done.stderr), done.stderr
+    commands = [line for line in done.stdout.splitlines() if line.startswith("ssh ")]
+    assert len(commands) == 2 and "worker-0" in commands[0] and "BatchMode=yes" in commands[0]
+    jobs = [json.loads(line.split(": ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("# stdin:")]
+    assert [j["node_rank"] for j in jobs] == [0, 1] and jobs[1]["slots"] == [2, 3]
+    assert jobs[0]["target_args"] == ["--lr", "1e-3"] and jobs[0]["master_addr"] == "10.1.2.3"

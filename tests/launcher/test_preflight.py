@@ -1,0 +1,353 @@
+"""Pre-flight checks of `zerotrain launch`: judging the probes' answers, the probe itself, and over real ssh.
+
+The judging tests feed made-up ssh results to `judge_preflight`, one rule at a time;
+the probe tests run preflight_probe.py locally as the launcher runs it remotely
+(source on stdin); the ssh tests run the whole round trip against sshd on 127.0.0.2/3.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from zerotrain.launcher.node_plan import Node
+from zerotrain.launcher.preflight import (
+    COLUMNS,
+    PROBE_MARKER,
+    PreflightRequest,
+    judge_preflight,
+    min_open_files,
+    parse_probe_output,
+    probe_command,
+    probe_source,
+    render_preflight,
+)
+from zerotrain.launcher.ssh import SshOptions
+
+PYTHON = "/opt/env/bin/python"
+CWD = "/home/u/project"
+NODES = [Node("node-a", (0, 1), 0, 0), Node("node-b", (0, 1), 1, 2)]
+GOOD = {
+    "python": "3.11.7",
+    "executable": PYTHON,
+    "hostname": "x",
+    "cwd_exists": True,
+    "target_present": True,
+    "torch": "2.13.0",
+    "zerotrain": "0.1.0",
+    "gpus": 0,
+    "nofile": [1024, 1048576],
+    "memlock": [None, None],
+}
+
+
+def request(nodes=NODES, target="train.py", kind="script", world_size=4, port=29500) -> PreflightRequest:
+    return PreflightRequest(
+        nodes=nodes, python=PYTHON, cwd=CWD, target=target, target_kind=kind,
+        master_addr="10.0.0.1", master_port=port, ssh=SshOptions(), world_size=world_size,
+    )
+
+
+def answer(node_rank: int, **changes) -> subprocess.CompletedProcess:
+    port = {"role": "listen", "ok": True, "accepted": 1} if node_rank == 0 else {"role": "connect", "ok": True}
+    facts = {**GOOD, "port": port, **changes}
+    return subprocess.CompletedProcess([], 0, stdout=f"motd line\n{PROBE_MARKER}{json.dumps(facts)}\n", stderr="")
+
+
+def judge(b=None, a=None, **kw):
+    """Report for node-a (node 0) and node-b answering `a` and `b` (default: all good)."""
+    return judge_preflight(request(**kw), {"node-a": a or answer(0), "node-b": b or answer(1)})
+
+
+def row(report, host):
+    return next(r for r in report.nodes if r.node.host == host)
+
+
+def cell(report, host, column):
+    return row(report, host).checks[column]
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def test_all_good_answers_pass_with_every_column_ok():
+    report = judge()
+    assert report.ok and report.failures() == [] and report.warnings() == []
+    assert [list(r.checks) for r in report.nodes] == [list(COLUMNS)] * 2
+    assert {c.status for r in report.nodes for c in r.checks.values()} == {"ok"}
+    assert cell(report, "node-a", "gpus").text == "CPU"
+    assert cell(report, "node-a", "master_port").text == "listening on 29500"
+    assert cell(report, "node-b", "master_port").text == "reached 10.0.0.1:29500"
+
+
+def test_probe_answer_is_found_after_login_noise_and_bad_lines_are_none():
+    assert parse_probe_output(f"hello\n{PROBE_MARKER}{{\"a\": 1}}\nbye\n") == {"a": 1}
+    assert parse_probe_output("no answer\n") is None
+    assert parse_probe_output(f"{PROBE_MARKER}{{cut") is None
+
+
+@pytest.mark.parametrize(
+    ("stderr", "words"),
+    [
+        ("ssh: connect to host node-b port 22: Connection refused", "refused"),
+        ("ssh: connect to host node-b port 22: Connection timed out", "timed out"),
+        ("u@node-b: Permission denied (publickey,password).", "ermission denied"),
+        ("ssh: Could not resolve hostname node-b: Name or service not known", "resolve"),
+    ],
+)
+def test_ssh_failure_fails_the_ssh_cell_by_host_and_skips_the_rest(stderr, words):
+    report = judge(b=subprocess.CompletedProcess([], 255, stdout="", stderr=stderr + "\n"))
+    assert not report.ok
+    ssh = cell(report, "node-b", "ssh")
+    assert ssh.status == "fail" and words in ssh.text and "node-b" in ssh.fix
+    assert {c.text for k, c in row(report, "node-b").checks.items() if k != "ssh"} == {"-"}
+    assert len(report.failures()) == 1 and report.failures()[0].startswith("node-b: ")
+
+
+def test_ssh_failure_kinds_get_different_fixes():
+    fixes = set()
+    for stderr in ("connect to host node-b port 22: Connection refused",
+                   "connect to host node-b port 22: Connection timed out",
+                   "Permission denied (publickey).",
+                   "Could not resolve hostname node-b: Name or service not known"):
+        report = judge(b=subprocess.CompletedProcess([], 255, stdout="", stderr=f"ssh: {stderr}\n"))
+        fixes.add(cell(report, "node-b", "ssh").fix)
+    assert len(fixes) == 4
+
+
+def test_missing_python_fails_naming_the_path_and_the_same_path_fix():
+    missing = subprocess.CompletedProcess([], 127, stdout="", stderr=f"bash: line 1: {PYTHON}: No such file or directory\n")
+    report = judge(b=missing)
+    python = cell(report, "node-b", "python")
+    assert python.status == "fail" and python.text == f"python not found: {PYTHON}"
+    assert "same" in python.fix and "shared filesystem" in python.fix
+    assert cell(report, "node-b", "ssh").status == "ok" and cell(report, "node-b", "torch").text == "-"
+    assert report.failures() == [f"node-b: python not found: {PYTHON}; {python.fix}"]
+
+
+def test_a_probe_that_crashes_fails_with_its_last_error_line():
+    broken = subprocess.CompletedProcess([], 1, stdout="", stderr="Traceback...\nSyntaxError: invalid syntax\n")
+    python = cell(judge(b=broken), "node-b", "python")
+    assert python.status == "fail" and "SyntaxError: invalid syntax" in python.text and "node-b" in python.fix
+
+
+def test_missing_cwd_fails_and_skips_the_target():
+    report = judge(b=answer(1, cwd_exists=False, target_present=None))
+    assert cell(report, "node-b", "cwd").status == "fail"
+    assert cell(report, "node-b", "cwd").text == f"cwd missing: {CWD}"
+    assert "shared filesystem" in cell(report, "node-b", "cwd").fix
+    assert cell(report, "node-b", "target").text == "-"
+
+
+@pytest.mark.parametrize(
+    ("kind", "target", "text"),
+    [
+        ("script", "train.py", f"script not found: train.py (in {CWD})"),
+        ("module", "pkg.train", f"module not found: pkg (in {CWD} or {PYTHON})"),
+        ("program", "mytool", "program not found: mytool"),
+    ],
+)
+def test_missing_target_fails_with_its_kind(kind, target, text):
+    report = judge(b=answer(1, target_present=False), target=target, kind=kind)
+    check = cell(report, "node-b", "target")
+    assert (check.status, check.text) == ("fail", text) and check.fix
+    assert cell(report, "node-a", "target").status == "ok"
+
+
+@pytest.mark.parametrize("package", ["python", "torch", "zerotrain"])
+def test_version_different_from_node_0_fails_naming_both(package):
+    other = {"python": "3.10.2", "torch": "2.5.1", "zerotrain": "0.0.9"}[package]
+    report = judge(b=answer(1, **{package: other}))
+    check = cell(report, "node-b", package)
+    assert check.status == "fail"
+    assert check.text == f"{package} {other} here, {GOOD[package]} on node 0 (node-a)"
+    assert cell(report, "node-a", package).status == "ok"
+    if package != "python":
+        assert f"{package}=={GOOD[package]}" in check.fix
+
+
+def test_missing_torch_fails_with_install_fix():
+    check = cell(judge(b=answer(1, torch=None)), "node-b", "torch")
+    assert check.status == "fail" and check.text == "torch not installed" and PYTHON in check.fix
+
+
+def test_versions_are_compared_with_the_first_node_that_answered_when_node_0_did_not():
+    refused = subprocess.CompletedProcess([], 255, stdout="", stderr="ssh: connect to host node-a port 22: Connection refused\n")
+    nodes = [*NODES, Node("node-c", (0,), 2, 4)]
+    report = judge_preflight(
+        request(nodes=nodes), {"node-a": refused, "node-b": answer(1), "node-c": answer(2, torch="2.5.1")}
+    )
+    assert cell(report, "node-c", "torch").text == "torch 2.5.1 here, 2.13.0 on node-b"
+    # Node 0 did not listen, so what the others found at MASTER_ADDR:PORT says nothing.
+    assert cell(report, "node-b", "master_port").text == "-"
+
+
+def test_gpu_node_with_fewer_gpus_than_slots_fails_and_cpu_node_is_ok():
+    report = judge(b=answer(1, gpus=1))
+    check = cell(report, "node-b", "gpus")
+    assert check.status == "fail" and check.text == "1 GPUs, 2 ranks need slots 0,1" and "node-b" in check.fix
+    assert cell(judge(b=answer(1, gpus=2)), "node-b", "gpus").text == "2"
+
+
+def test_slot_index_beyond_the_gpus_fails():
+    nodes = [NODES[0], Node("node-b", (2, 3), 1, 2)]
+    assert cell(judge(b=answer(1, gpus=3), nodes=nodes), "node-b", "gpus").status == "fail"
+    assert cell(judge(b=answer(1, gpus=4), nodes=nodes), "node-b", "gpus").status == "ok"
+
+
+def test_min_open_files_grows_with_the_world_size():
+    assert min_open_files(1) == 1024 and min_open_files(16) == 1024
+    assert min_open_files(17) == 64 * 17 and min_open_files(2048) == 131072
+
+
+def test_open_files_are_judged_by_the_hard_limit():
+    # Soft 256 is fine: the node agent raises it to the hard limit.
+    assert cell(judge(b=answer(1, nofile=[256, 1048576])), "node-b", "nofile").status == "ok"
+    low = cell(judge(b=answer(1, nofile=[256, 256])), "node-b", "nofile")
+    assert low.status == "fail" and low.text == "open files 256, below 1024 needed for 4 ranks"
+    assert "ulimit -n 65536" in low.fix and "LimitNOFILE" in low.fix and "limits.conf" in low.fix
+    warn = cell(judge(b=answer(1, nofile=[4096, 4096])), "node-b", "nofile")
+    assert warn.status == "warn" and warn.text == "open files 4096, below 65536"
+    report = judge(b=answer(1, nofile=[4096, 4096]))
+    assert report.ok and report.warnings() == [f"node-b: open files 4096, below 65536; {warn.fix}"]
+
+
+def test_open_files_minimum_for_a_large_job():
+    check = cell(judge(b=answer(1, nofile=[65536, 65536]), world_size=2048), "node-b", "nofile")
+    assert check.status == "fail" and "below 131072 needed for 2048 ranks" in check.text
+
+
+def test_memlock_warns_on_gpu_nodes_only():
+    gpu = cell(judge(b=answer(1, gpus=2, memlock=[65536, 65536])), "node-b", "memlock")
+    assert gpu.status == "warn" and gpu.text.startswith("locked memory 64 KiB, not unlimited")
+    assert "memlock unlimited" in gpu.fix and "limits.conf" in gpu.fix
+    cpu = cell(judge(b=answer(1, memlock=[65536, 65536])), "node-b", "memlock")
+    assert (cpu.status, cpu.text) == ("ok", "64 KiB")
+    assert cell(judge(b=answer(1, gpus=2)), "node-b", "memlock").text == "unlimited"
+
+
+def test_busy_master_port_fails_on_node_0_and_skips_the_others():
+    busy = answer(0, port={"role": "listen", "ok": False, "error": "Address already in use"})
+    report = judge(a=busy)
+    check = cell(report, "node-a", "master_port")
+    assert check.status == "fail" and check.text.startswith("port 29500 busy on node-a")
+    assert "--master_port" in check.fix
+    assert cell(report, "node-b", "master_port").text == "-"
+
+
+def test_unreachable_master_fails_on_the_node_that_cannot_reach_it():
+    report = judge(b=answer(1, port={"role": "connect", "ok": False, "error": "Connection refused"}))
+    check = cell(report, "node-b", "master_port")
+    assert check.status == "fail"
+    assert check.text == "cannot reach 10.0.0.1:29500 from node-b (Connection refused)"
+    assert "firewall" in check.fix and "--master_addr" in check.fix
+
+
+def test_master_addr_that_is_not_node_0_fails():
+    foreign = {"role": "connect", "ok": False, "foreign": True, "error": "answered, but not by node 0"}
+    check = cell(judge(b=answer(1, port=foreign)), "node-b", "master_port")
+    assert check.status == "fail" and "is not node 0 (node-a)" in check.text and "--master_addr" in check.fix
+
+
+def test_table_has_a_row_per_node_and_colours_failures_and_warnings():
+    report = judge(b=answer(1, nofile=[256, 256], gpus=2, memlock=[65536, 65536]))
+    table = render_preflight(report)
+    assert table.row_count == 2 and len(table.columns) == 1 + len(COLUMNS)
+    nofile_col = table.columns[1 + list(COLUMNS).index("nofile")]
+    memlock_col = table.columns[1 + list(COLUMNS).index("memlock")]
+    assert "red" in str(list(nofile_col.cells)[1].style) and "yellow" in str(list(memlock_col.cells)[1].style)
+    console = Console(record=True, width=250)
+    console.print(table)
+    assert "node-b" in console.export_text() and "ulimit -n" in console.export_text()
+
+
+# --------------------------------------------------------------------------- the probe, run locally
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_probe(tmp_path: Path, role: str, port: int, target="train.py", kind="script", cwd=None,
+              peers=1, window_s=5.0, token="t0k3n") -> subprocess.Popen:
+    params = {"cwd": str(cwd or tmp_path), "target": target, "target_kind": kind, "role": role,
+              "master_addr": "127.0.0.1", "master_port": port, "peers": peers, "window_s": window_s, "token": token}
+    proc = subprocess.Popen(["/bin/sh", "-c", probe_command(sys.executable)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdin.write(probe_source(params))
+    proc.stdin.close()
+    return proc
+
+
+def probe_answer(proc: subprocess.Popen) -> dict:
+    out = proc.stdout.read()
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    found = parse_probe_output(out)
+    assert found is not None, out
+    return found
+
+
+def test_probe_reports_this_python_and_node_0_answers_node_1(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    port = free_port()
+    start = time.monotonic()
+    listener = run_probe(tmp_path, "listen", port)
+    connector = run_probe(tmp_path, "connect", port)
+    node0, node1 = probe_answer(listener), probe_answer(connector)
+    assert time.monotonic() - start < 4  # both return as soon as the connection is made
+    assert node0["port"] == {"role": "listen", "ok": True, "accepted": 1}
+    assert node1["port"] == {"role": "connect", "ok": True}
+    expected_python = "%d.%d.%d" % sys.version_info[:3]
+    assert node1["python"] == expected_python and node1["cwd_exists"] and node1["target_present"]
+    import importlib.metadata
+
+    assert node1["torch"] == importlib.metadata.version("torch")
+    assert node1["zerotrain"] == importlib.metadata.version("zerotrain")
+    assert len(node1["nofile"]) == 2 and len(node1["memlock"]) == 2 and node1["gpus"] >= 0
+
+
+def test_probe_finds_missing_script_module_program_and_cwd(tmp_path):
+    (tmp_path / "localpkg").mkdir()
+    (tmp_path / "localpkg" / "__init__.py").write_text("raise SystemExit('must not be imported')")
+    cases = [("nope.py", "script", False), ("localpkg.sub", "module", True), ("no_such_mod_xyz", "module", False),
+             ("sh", "program", True), ("no-such-program-xyz", "program", False)]
+    for target, kind, present in cases:
+        found = probe_answer(run_probe(tmp_path, "listen", 0, target=target, kind=kind, peers=0))
+        assert found["target_present"] is present, (target, kind)
+    gone = probe_answer(run_probe(tmp_path, "listen", 0, cwd=tmp_path / "gone", peers=0))
+    assert gone["cwd_exists"] is False and gone["target_present"] is None
+
+
+def test_probe_on_node_0_reports_a_busy_port(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        found = probe_answer(run_probe(tmp_path, "listen", port))
+    assert found["port"]["ok"] is False and "in use" in found["port"]["error"]
+
+
+def test_probe_tells_a_foreign_listener_and_an_absent_one_apart(tmp_path):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        other.settimeout(5)
+        proc = run_probe(tmp_path, "connect", other.getsockname()[1])
+        conn, _ = other.accept()
+        conn.sendall(b"HTTP/1.0 400 Bad Request\n")
+        found = probe_answer(proc)
+        conn.close()
+    assert found["port"]["ok"] is False and found["port"]["foreign"] is True
+    start = time.monotonic()
+    absent = probe_answer(run_probe(tmp_path, "connect", free_port(), window_s=1.0))
+    assert absent["port"] == {"role": "connect", "ok": False, "error": "Connection refused"}
+    assert time.monotonic() - start < 5  # retries stop when the window ends

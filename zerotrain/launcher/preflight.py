@@ -1,0 +1,440 @@
+"""Pre-flight checks: before a multi-node job starts, ask every node whether it can run its share.
+
+One ssh round trip per node, all nodes at once: the launcher sends
+``preflight_probe.py`` to ``PYTHON -`` (the launching node's interpreter path,
+which must exist on every node), and the probe answers with what it found. The
+same round trip checks the rendezvous port: node 0 listens on it while every
+other node connects to MASTER_ADDR:PORT.
+
+The answers are judged here into one table: a row per node, a column per check,
+each cell ok, warn or fail with the fix. The job starts only when nothing fails.
+
+Thresholds:
+
+- open files (``ulimit -n``): the node agent raises the soft limit to the hard
+  limit, so the hard limit is judged. Each rank keeps sockets to its peers (Gloo
+  opens a pair per peer per process group, NCCL a few more for bootstrap and its
+  proxy) on top of the few hundred files torch, CUDA and data loading hold open;
+  ``min_open_files`` = max(1024, 64 * world_size) leaves room for several process
+  groups. Below it fails; below 65536 (the usual cluster setting) it warns.
+- locked memory (``ulimit -l``): NCCL over InfiniBand registers buffers with the
+  network card, which needs memlock unlimited; on GPU nodes anything else warns.
+  Not raised by the job, so the soft limit is judged.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shlex
+import subprocess
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from zerotrain.launcher.node_plan import Node
+from zerotrain.launcher.ssh import SshOptions, classify_ssh_failure, run_on_hosts
+
+PROBE_MARKER = "ZEROTRAIN_PREFLIGHT "
+RECOMMENDED_OPEN_FILES = 65536
+# Resource limits the node agent raises from soft to hard before starting ranks (node_agent.py):
+# for these the hard limit is what the job gets.
+LIMITS_RAISED_TO_HARD = frozenset({"nofile"})
+
+# Column key -> table heading, in table order.
+COLUMNS: dict[str, str] = {
+    "ssh": "ssh",
+    "python": "python",
+    "cwd": "cwd",
+    "target": "target",
+    "torch": "torch",
+    "zerotrain": "zerotrain",
+    "gpus": "GPUs",
+    "nofile": "ulimit -n",
+    "memlock": "ulimit -l",
+    "master_port": "master port",
+}
+
+_SAME_ENV_FIX = "install the same environment at the same path on every node (same venv/conda path), or use a shared filesystem"
+# The ssh cell's short text per SshFailure kind; the failure's own message (which names the host
+# and says how to fix it) becomes the cell's fix.
+_SSH_LABELS = {
+    "refused": "ssh connection refused",
+    "timeout": "ssh timed out",
+    "auth": "ssh permission denied",
+    "dns": "ssh: unknown host name",
+    "host-key": "ssh: host key not accepted",
+    "unreachable": "ssh: host unreachable",
+    "other": "ssh failed",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One cell of the table."""
+
+    status: str
+    """"ok", "warn", "fail", or "skip" (not checked because an earlier check failed; shown as "-")."""
+    text: str
+    fix: str = ""
+
+
+_SKIP = Check("skip", "-")
+
+
+@dataclass(frozen=True)
+class PreflightRequest:
+    """What the job will run, where: everything the checks compare the nodes against."""
+
+    nodes: Sequence[Node]
+    python: str
+    """The launching node's sys.executable: the same path is used on every node."""
+    cwd: str
+    """The launching node's working directory: the same is used on every node."""
+    target: str
+    """Script path (as given, relative to cwd), module name, or program."""
+    target_kind: str
+    """"script" | "module" | "program"."""
+    master_addr: str
+    master_port: int
+    ssh: SshOptions
+    world_size: int
+
+
+@dataclass
+class NodeReport:
+    """The checks of one node, keyed by column (see COLUMNS)."""
+
+    node: Node
+    checks: dict[str, Check] = field(default_factory=dict)
+
+
+@dataclass
+class PreflightReport:
+    """The checks of every node, in node order."""
+
+    nodes: list[NodeReport]
+
+    @property
+    def ok(self) -> bool:
+        """True when no check failed (warnings do not stop the job)."""
+        return not self.failures()
+
+    def failures(self) -> list[str]:
+        """One line per failed check: "HOST: what; fix"."""
+        return self._lines("fail")
+
+    def warnings(self) -> list[str]:
+        """One line per warning: "HOST: what; fix"."""
+        return self._lines("warn")
+
+    def _lines(self, status: str) -> list[str]:
+        return [
+            f"{report.node.host}: {check.text}" + (f"; {check.fix}" if check.fix else "")
+            for report in self.nodes
+            for check in report.checks.values()
+            if check.status == status
+        ]
+
+
+def min_open_files(world_size: int) -> int:
+    """Fewest open files (hard limit) a rank of a `world_size` job needs: max(1024, 64 * world_size)."""
+    return max(1024, 64 * world_size)
+
+
+def port_window_s(timeout_s: float) -> float:
+    """How long node 0 listens, and the others retry: half the time allowed, so that ssh
+    start-up and a slow node fit in the other half and the probe answers before it is cut off."""
+    return max(1.0, timeout_s / 2)
+
+
+# --- the round trip ----------------------------------------------------------------------------
+
+def probe_params(request: PreflightRequest, node: Node, window_s: float, token: str) -> dict[str, Any]:
+    """The probe's parameters for `node` (see preflight_probe.py)."""
+    return {
+        "cwd": request.cwd,
+        "target": request.target,
+        "target_kind": request.target_kind,
+        "role": "listen" if node.node_rank == 0 else "connect",
+        "master_addr": request.master_addr,
+        "master_port": request.master_port,
+        "peers": len(request.nodes) - 1,
+        "window_s": window_s,
+        "token": token,
+    }
+
+
+def probe_source(params: Mapping[str, Any]) -> str:
+    """The Python program sent to a node: the probe with its parameters as its first line."""
+    probe = (Path(__file__).with_name("preflight_probe.py")).read_text(encoding="utf-8")
+    # repr() of a str is a valid Python literal, so nothing in the parameters needs escaping by hand.
+    return f"PARAMS_JSON = {json.dumps(dict(params))!r}\n{probe}"
+
+
+def probe_command(python: str) -> str:
+    """The remote shell command: the interpreter reads the probe from stdin."""
+    return f"exec {shlex.quote(python)} - "
+
+
+def run_preflight(request: PreflightRequest, timeout_s: float = 30) -> PreflightReport:
+    """Probes every node at once over ssh and judges the answers; waits at most about `timeout_s`.
+
+    Node 0 gets a "listen" probe and the others a "connect" one, so they go out as two
+    concurrent batches (one stdin text per batch).
+    """
+    window_s = port_window_s(timeout_s)
+    token = secrets.token_hex(8)
+    command = probe_command(request.python)
+    groups = [[node for node in request.nodes if node.node_rank == 0], [n for n in request.nodes if n.node_rank != 0]]
+    results: dict[str, subprocess.CompletedProcess] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [
+            pool.submit(
+                run_on_hosts,
+                [node.host for node in group],
+                command,
+                request.ssh,
+                stdin_text=probe_source(probe_params(request, group[0], window_s, token)),
+                timeout_s=timeout_s,
+            )
+            for group in groups
+            if group
+        ]
+        for future in futures:
+            results.update(future.result())
+    return judge_preflight(request, results)
+
+
+# --- judging -----------------------------------------------------------------------------------
+
+def parse_probe_output(stdout: str) -> dict[str, Any] | None:
+    """The probe's answer from a node's stdout (the last marked line), or None if there is none."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(PROBE_MARKER):
+            try:
+                return json.loads(line[len(PROBE_MARKER):])
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def judge_preflight(request: PreflightRequest, results: Mapping[str, subprocess.CompletedProcess]) -> PreflightReport:
+    """Turns every node's ssh result into its row of checks."""
+    facts = {node.host: parse_probe_output(_text(results[node.host].stdout)) if node.host in results else None
+             for node in request.nodes}
+    # Versions are compared with node 0's; if node 0 did not answer, with the first node that did.
+    reference = next(((node, facts[node.host]) for node in request.nodes if facts[node.host]), None)
+    node0 = request.nodes[0] if request.nodes else None
+    master_listening = bool(node0 and facts.get(node0.host) and facts[node0.host]["port"].get("ok"))
+    reports = []
+    for node in request.nodes:
+        found = facts[node.host]
+        if found is None:
+            checks = _unanswered(node, request, results.get(node.host))
+        else:
+            checks = _judge_facts(node, request, found, reference, master_listening)
+        reports.append(NodeReport(node, {key: checks.get(key, _SKIP) for key in COLUMNS}))
+    return PreflightReport(reports)
+
+
+def _text(value: str | bytes | None) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return value or ""
+
+
+def _unanswered(node: Node, request: PreflightRequest, result: subprocess.CompletedProcess | None) -> dict[str, Check]:
+    """The checks of a node whose probe gave no answer: ssh failed, Python is missing, or the probe broke."""
+    host = node.host
+    if result is None:
+        return {"ssh": Check("fail", f"no result from {host}", f"run `ssh {host} true` to see why")}
+    stderr = _text(result.stderr)
+    # run_on_hosts reports a host it had to stop (timeout_s) as an ssh "timeout" failure too.
+    failure = classify_ssh_failure(host, result.returncode, stderr)
+    if failure is not None:
+        return {"ssh": Check("fail", _SSH_LABELS.get(failure.kind, _SSH_LABELS["other"]), failure.message)}
+    ssh_ok = Check("ok", "ok")
+    if result.returncode == 127 or (result.returncode != 0 and "No such file or directory" in stderr):
+        return {"ssh": ssh_ok, "python": Check("fail", f"python not found: {request.python}", _SAME_ENV_FIX)}
+    if result.returncode == 126:
+        return {"ssh": ssh_ok, "python": Check("fail", f"python not executable: {request.python}", _SAME_ENV_FIX)}
+    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "no output")
+    return {
+        "ssh": ssh_ok,
+        "python": Check(
+            "fail", f"pre-flight probe failed (exit {result.returncode}): {last}", f"run {request.python} on {host} to see why"
+        ),
+    }
+
+
+def _judge_facts(
+    node: Node,
+    request: PreflightRequest,
+    facts: Mapping[str, Any],
+    reference: tuple[Node, Mapping[str, Any]] | None,
+    master_listening: bool,
+) -> dict[str, Check]:
+    checks = {"ssh": Check("ok", "ok")}
+    for key in ("python", "torch", "zerotrain"):
+        checks[key] = _judge_version(key, node, request, facts, reference)
+    checks["cwd"] = (
+        Check("ok", "ok")
+        if facts["cwd_exists"]
+        else Check(
+            "fail",
+            f"cwd missing: {request.cwd}",
+            "the job runs in the launching directory on every node: create it there, or use a shared filesystem",
+        )
+    )
+    if facts["cwd_exists"]:
+        checks["target"] = _judge_target(request, facts["target_present"])
+    checks["gpus"] = _judge_gpus(node, facts["gpus"])
+    checks["nofile"] = _judge_open_files(facts["nofile"], request.world_size)
+    checks["memlock"] = _judge_memlock(facts["memlock"], facts["gpus"] > 0)
+    checks["master_port"] = _judge_port(node, request, facts["port"], master_listening)
+    return checks
+
+
+def _judge_version(
+    key: str,
+    node: Node,
+    request: PreflightRequest,
+    facts: Mapping[str, Any],
+    reference: tuple[Node, Mapping[str, Any]] | None,
+) -> Check:
+    version = facts.get(key)
+    if version is None:
+        return Check("fail", f"{key} not installed", f"pip install {key} into {request.python} on {node.host}")
+    if reference is None or reference[0] == node:
+        return Check("ok", version)
+    ref_node, ref_facts = reference
+    wanted = ref_facts.get(key)
+    if wanted is None or wanted == version:
+        return Check("ok", version)
+    fix = _SAME_ENV_FIX if key == "python" else f"pip install {key}=={wanted} into {request.python} on {node.host}"
+    where = f"node 0 ({ref_node.host})" if ref_node.node_rank == 0 else ref_node.host
+    return Check("fail", f"{key} {version} here, {wanted} on {where}", fix)
+
+
+def _judge_target(request: PreflightRequest, present: bool) -> Check:
+    if present:
+        return Check("ok", "ok")
+    target, kind = request.target, request.target_kind
+    if kind == "script":
+        return Check(
+            "fail",
+            f"script not found: {target} (in {request.cwd})",
+            "copy it to the same path on every node, or use a shared filesystem",
+        )
+    if kind == "module":
+        return Check(
+            "fail",
+            f"module not found: {target.split('.')[0]} (in {request.cwd} or {request.python})",
+            f"put it under {request.cwd} on every node, or pip install it into {request.python}",
+        )
+    return Check("fail", f"program not found: {target}", "install it on every node, on the PATH ssh sessions get")
+
+
+def _judge_gpus(node: Node, gpus: int) -> Check:
+    if gpus == 0:
+        return Check("ok", "CPU")
+    needed = max(node.nproc, max(node.slots, default=-1) + 1)
+    if gpus < needed:
+        return Check(
+            "fail",
+            f"{gpus} GPUs, {node.nproc} ranks need slots {','.join(map(str, node.slots))}",
+            f"give {node.host} at most {gpus} slots (0..{gpus - 1}) in the hostfile",
+        )
+    return Check("ok", str(gpus))
+
+
+def _limit_text(soft: int | None, hard: int | None, unit: int = 1) -> str:
+    """"soft/hard" (or one number when equal) in `unit`s, as `ulimit` prints them."""
+
+    def show(value: int | None) -> str:
+        return "unlimited" if value is None else str(value // unit)
+
+    return show(soft) if soft == hard else f"{show(soft)}/{show(hard)}"
+
+
+def _judge_open_files(limits: Sequence[int | None], world_size: int) -> Check:
+    soft, hard = limits
+    effective = hard if "nofile" in LIMITS_RAISED_TO_HARD else soft
+    text = _limit_text(soft, hard)
+    minimum = min_open_files(world_size)
+    recommended = max(RECOMMENDED_OPEN_FILES, minimum)
+    fix = (
+        f"raise the open-files limit to {recommended}: `ulimit -n {recommended}`, nofile in "
+        f"/etc/security/limits.conf, or LimitNOFILE= in the sshd/systemd unit"
+    )
+    if effective is not None and effective < minimum:
+        return Check("fail", f"open files {text}, below {minimum} needed for {world_size} ranks", fix)
+    if effective is not None and effective < recommended:
+        return Check("warn", f"open files {text}, below {recommended}", fix)
+    return Check("ok", text)
+
+
+def _judge_memlock(limits: Sequence[int | None], gpu_node: bool) -> Check:
+    soft, hard = limits
+    effective = hard if "memlock" in LIMITS_RAISED_TO_HARD else soft
+    text = _limit_text(soft, hard, unit=1024) + (" KiB" if effective is not None else "")
+    if gpu_node and effective is not None:
+        return Check(
+            "warn",
+            f"locked memory {text}, not unlimited (NCCL over InfiniBand needs it)",
+            "memlock unlimited in /etc/security/limits.conf (or LimitMEMLOCK=infinity in the sshd/systemd unit)",
+        )
+    return Check("ok", text)
+
+
+def _judge_port(node: Node, request: PreflightRequest, port: Mapping[str, Any], master_listening: bool) -> Check:
+    p, addr, host = request.master_port, request.master_addr, node.host
+    if port.get("role") == "listen":
+        if port.get("ok"):
+            return Check("ok", f"listening on {p}")
+        return Check(
+            "fail",
+            f"port {p} busy on {host} ({port.get('error', 'bind failed')})",
+            f"pass another --master_port, or stop the job using port {p} on {host}",
+        )
+    if not master_listening:
+        return _SKIP  # node 0 did not listen: whatever answered (or not) says nothing
+    if port.get("ok"):
+        return Check("ok", f"reached {addr}:{p}")
+    if port.get("foreign"):
+        return Check(
+            "fail",
+            f"{addr}:{p} is not node 0 ({request.nodes[0].host}) as seen from {host}",
+            "pass --master_addr an address of node 0 that every node can reach",
+        )
+    return Check(
+        "fail",
+        f"cannot reach {addr}:{p} from {host} ({port.get('error', 'failed')})",
+        f"open port {p} on node 0's firewall, or pass --master_addr an address of node 0 that {host} can reach",
+    )
+
+
+# --- display ----------------------------------------------------------------------------------
+
+_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def render_preflight(report: PreflightReport) -> Table:
+    """The report as a table: one row per node, one column per check; failures red, warnings yellow."""
+    table = Table(title="zerotrain launch: pre-flight checks", title_justify="left")
+    table.add_column("node")
+    for heading in COLUMNS.values():
+        table.add_column(heading)
+    for row in report.nodes:
+        cells = [Text(row.node.host)]
+        for key in COLUMNS:
+            check = row.checks.get(key, _SKIP)
+            cells.append(Text(check.text, style=_STYLES.get(check.status, "")))
+        table.add_row(*cells)
+    return table
