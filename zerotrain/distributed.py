@@ -21,11 +21,19 @@ from zerotrain.teardown import destroy_default_group_at_exit
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# (rank, world size, local rank) variable names of each launcher we understand.
+# (rank, world size, local rank) variable names of each launcher we understand, the first
+# launcher whose rank and world size are both set winning; the local rank is the first of its
+# names that is set (0 if none is). Order matters: a launcher inherits the variables of the
+# one that started it, so the innermost comes first: torchrun's before MPI's (the ssh and srun
+# agents run torchrun's engine), MPI's before Slurm's (an mpirun inside an allocation sees the
+# batch step's SLURM_PROCID). PMIx exports only PMIX_RANK, no size: Open MPI 5 sets its
+# OMPI_COMM_WORLD_* as well, and srun --mpi=pmix its SLURM_*, so those entries cover PMIx.
 _LAUNCHER_ENVS = (
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),  # torchrun, Accelerate, zerotrain launch
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # Open MPI
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),  # srun
+    ("RANK", "WORLD_SIZE", ("LOCAL_RANK",)),  # torchrun, Accelerate, zerotrain launch
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),  # Open MPI 4 and 5
+    # MPICH and Intel MPI (Hydra: MPI_LOCALRANKID), Cray PALS, srun --mpi=pmi2 (SLURM_LOCALID).
+    ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID", "SLURM_LOCALID")),
+    ("SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",)),  # srun
 )
 
 
@@ -39,11 +47,12 @@ class LaunchEnv:
 
 
 def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
-    """Reads rank/world/local rank from torchrun, Open MPI or Slurm variables; a world of one otherwise."""
+    """Reads rank/world/local rank from torchrun, MPI or Slurm variables; a world of one otherwise."""
     env = os.environ if environ is None else environ
-    for rank_key, world_key, local_key in _LAUNCHER_ENVS:
+    for rank_key, world_key, local_keys in _LAUNCHER_ENVS:
         if rank_key in env and world_key in env:
-            return LaunchEnv(int(env[rank_key]), int(env[world_key]), int(env.get(local_key, 0)))
+            local_rank = next((int(env[key]) for key in local_keys if key in env), 0)
+            return LaunchEnv(int(env[rank_key]), int(env[world_key]), local_rank)
     return LaunchEnv(0, 1, 0)
 
 

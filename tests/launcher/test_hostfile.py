@@ -221,7 +221,7 @@ def test_unknown_host_names_flag_host_known_hosts_and_fix(flag, spec):
         select_slots(TWO_HOSTS, **{flag: spec}, source="/job/hostfile")
     message = str(caught.value)
     bad = "jeff" if "jeff" in spec else "5"
-    assert message.startswith(f"--{flag} {spec!r} names host {bad!r}, which is not in the hostfile /job/hostfile")
+    assert message.startswith(f"--{flag} {spec!r} names host {bad!r}, which is not in /job/hostfile")
     assert "(hosts there: worker-0, worker-1)" in message
     assert f"add a `{bad} slots=N` line" in message
 
@@ -246,7 +246,7 @@ def test_unknown_slot_names_flag_slot_and_valid_range(flag, spec, names):
     with pytest.raises(HostfileError) as caught:
         select_slots({"worker-0": 4}, **{flag: spec}, source="hf")
     message = str(caught.value)
-    assert message.startswith(f"--{flag} {spec!r} names {names}, which has slots 0..3 (slots=4 in the hostfile hf)")
+    assert message.startswith(f"--{flag} {spec!r} names {names}, which has slots 0..3 (slots=4 in hf)")
     assert "name only slots in that range" in message
 
 
@@ -300,8 +300,20 @@ def test_excluding_everything_is_an_error(spec):
 
 
 def test_no_hosts_is_an_error():
-    with pytest.raises(HostfileError, match=r"lists no hosts"):
+    with pytest.raises(HostfileError, match=r"^the hostfile lists no hosts"):
         select_slots({})
+    with pytest.raises(HostfileError, match=r"^SLURM_JOB_NODELIST lists no hosts"):
+        select_slots({}, source="SLURM_JOB_NODELIST")
+
+
+def test_source_other_than_a_hostfile_is_named_as_given():
+    with pytest.raises(HostfileError, match=r"names host 'n9', which is not in SLURM_JOB_NODELIST \(hosts there: n1\)"):
+        select_slots({"n1": 1}, include="n9", source="SLURM_JOB_NODELIST")
+
+
+def test_without_a_source_messages_say_the_hostfile():
+    with pytest.raises(HostfileError, match=r"which is not in the hostfile \(hosts there"):
+        select_slots({"n1": 1}, include="n9")
 
 
 # --------------------------------------------------------------------------- --num_nodes / --num_gpus
@@ -337,7 +349,8 @@ def test_limits_do_not_change_their_input():
 
 
 def test_too_many_nodes_says_how_many_there_are():
-    with pytest.raises(HostfileError, match=r"--num_nodes 4 asks for more hosts .* has 3 \(a, b, c\); ask for 3 or fewer"):
+    expected = r"--num_nodes 4 asks for more hosts .* has 3 \(a, b, c\); ask for 3 or fewer"
+    with pytest.raises(HostfileError, match=expected):
         limit_selection(THREE_HOSTS, num_nodes=4)
 
 

@@ -152,9 +152,10 @@ def select_slots(
 
     Hosts keep `hosts`' order and slots are sorted, so ranks follow the hostfile.
     Naming a slot or host twice in one filter is harmless (DeepSpeed allows it).
-    `source` names where `hosts` came from (the hostfile path) in error messages.
+    `source` names where `hosts` came from in error messages: the hostfile's path,
+    or e.g. ``SLURM_JOB_NODELIST``.
     """
-    where = f" {source}" if source else ""
+    where = source or "the hostfile"
     if include and exclude:
         raise HostfileError(
             f"--include {include!r} and --exclude {exclude!r} cannot be used together; use --include alone to "
@@ -162,7 +163,7 @@ def select_slots(
         )
     available = {host: list(range(count)) for host, count in hosts.items()}
     if not available:
-        raise HostfileError(f"the hostfile{where} lists no hosts, so there is nothing to run on.")
+        raise HostfileError(f"{where} lists no hosts, so there is nothing to run on.")
     if not include and not exclude:
         return available
 
@@ -183,7 +184,7 @@ def select_slots(
     if not selection:
         # Only --exclude can get here: every --include entry names at least one existing slot.
         raise HostfileError(
-            f"--exclude {spec!r} removes every slot of every host in the hostfile{where}, leaving nothing to run on; "
+            f"--exclude {spec!r} removes every slot of every host in {where}, leaving nothing to run on; "
             f"exclude fewer hosts or slots, or use --include to say what to run on."
         )
     return selection
@@ -207,11 +208,12 @@ def _parse_filter(flag: str, spec: str) -> dict[str, set[int] | None]:
         host, colon, slot_list = (part.strip() for part in entry.partition(":"))
         if not host:
             raise fail(f"no host name before ':' in {entry!r}")
-        if not colon:
-            slots = None
-        else:
+        slots: set[int] | None = None
+        if colon:
             if ":" in slot_list:
-                raise fail(f"more than one ':' in {entry!r}; list slots with commas, like {host}:0,1", show_grammar=False)
+                raise fail(
+                    f"more than one ':' in {entry!r}; list slots with commas, like {host}:0,1", show_grammar=False
+                )
             slots = set()
             for item in slot_list.split(","):
                 item = item.strip()
@@ -239,7 +241,7 @@ def _check_exists(
 ) -> None:
     if host not in hosts:
         raise HostfileError(
-            f"{flag} {spec!r} names host {host!r}, which is not in the hostfile{where} (hosts there: "
+            f"{flag} {spec!r} names host {host!r}, which is not in {where} (hosts there: "
             f"{_host_list(hosts)}); fix the spelling, or add a `{host} slots=N` line to the hostfile."
         )
     count = hosts[host]
@@ -249,7 +251,7 @@ def _check_exists(
         names = ", ".join(str(slot) for slot in missing)
         raise HostfileError(
             f"{flag} {spec!r} names slot{'s' if len(missing) > 1 else ''} {names} on {host}, which has "
-            f"{valid} (slots={count} in the hostfile{where}); name only slots in that range, or raise {host}'s "
+            f"{valid} (slots={count} in {where}); name only slots in that range, or raise {host}'s "
             f"slots= count if it really has more GPUs."
         )
 

@@ -277,19 +277,23 @@ def job_environment(
     flag_values = parse_env_flags(env_flags)  # first: a bad flag is reported before any file is read
     env = {name: value for name, value in environ.items() if is_exported(name)}
     warnings: list[str] = []
-    dropped: dict[str, list[str]] = {}  # variable -> files it was dropped from
+    dropped: set[str] = set()
+    dropped_from: list[str] = []  # files that had some, in reading order
     for path in env_file_paths(environ, cwd, home):
         values, file_warnings = parse_env_file_text(_read_env_file(path), str(path))
         warnings.extend(file_warnings)
         for name, value in values.items():
             if is_process_specific(name):
-                dropped.setdefault(name, []).append(str(path))
+                dropped.add(name)
+                if str(path) not in dropped_from:
+                    dropped_from.append(str(path))
             else:
                 env[name] = value
     if dropped:
-        files = sorted({path for paths in dropped.values() for path in paths})
+        plural = len(dropped) > 1
         warnings.append(
-            f"ignored {len(dropped)} variable{'s' if len(dropped) > 1 else ''} from {', '.join(files)} that are set "
+            f"ignored {len(dropped)} variable{'s' if plural else ''} from {', '.join(dropped_from)} that "
+            f"{'are' if plural else 'is'} set "
             f"separately for each process or machine, so one value would be wrong on the others: "
             f"{', '.join(sorted(dropped))}."
         )

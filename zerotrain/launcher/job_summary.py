@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 from rich.console import Console
 from rich.markup import escape
-from rich.panel import Panel
 
 from zerotrain.launcher.failures import _exit_code_of
 from zerotrain.launcher.node_session import NodeSession
@@ -79,25 +78,25 @@ def summarize(sessions: Sequence[NodeSession], wall_s: float, console: Console, 
         console.print(f"[green]zerotrain launch: elastic job finished in {wall_s:.1f} s[/] "
                       f"[yellow](nodes lost on the way: {escape(lost)})[/]")
         return 0
-    lines: list[str] = []
     code = 1
+    console.rule("[bold red]zerotrain launch failed", style="red")
     if failure is not None:
         how = (f"was killed by {failure['signal']}" if failure["exitcode"] < 0
                else f"exited with code {failure['exitcode']}")
-        lines.append(f"[bold]first failure: node {escape(failure['host'])} (node rank {failure['node_rank']}), "
-                     f"rank {failure['rank']} (local rank {failure['local_rank']}) {how}[/]")
+        console.print(f"[bold red]first failure: node {escape(failure['host'])} (node rank {failure['node_rank']}), "
+                      f"rank {failure['rank']} (local rank {failure['local_rank']}) {how}[/]")
         tb = (failure.get("traceback") or "").strip().splitlines()
         if tb:
-            lines.append(escape("\n".join(tb[-_TRACEBACK_LINES:])))
+            console.print(escape("\n".join(tb[-_TRACEBACK_LINES:])), soft_wrap=True, highlight=False)
         elif failure.get("message"):
-            lines.append(f"[red]{escape(failure['message'].strip().splitlines()[-1])}[/]")
+            console.print(f"[red]{escape(failure['message'].strip().splitlines()[-1])}[/]")
         code = _exit_code_of(failure["exitcode"])
     elif failed_first is not None and failed_first.host in problems:
-        lines.append(f"[bold]first failure: node {escape(failed_first.host)}:[/] {escape(problems[failed_first.host])}")
+        console.print(f"[bold red]first failure: node {escape(failed_first.host)}:[/] "
+                      f"{escape(problems[failed_first.host])}", soft_wrap=True)
     for host, problem in problems.items():
         if failed_first is None or host != failed_first.host or failure is not None:
-            lines.append(f"node {escape(host)}: {escape(problem)}")
-    lines.append(f"[dim]wall time {wall_s:.1f} s; every process of the job is stopped on all "
-                 f"{len(sessions)} nodes; each rank's output is above, prefixed [host rank][/]")
-    console.print(Panel("\n".join(lines), title="zerotrain launch failed", border_style="red", expand=False))
+            console.print(f"node {escape(host)}: {escape(problem)}", soft_wrap=True)
+    console.print(f"[dim]wall time {wall_s:.1f} s; every process of the job is stopped on all "
+                  f"{len(sessions)} nodes; each rank's output is above, prefixed {escape('[host rank]')}[/]")
     return code

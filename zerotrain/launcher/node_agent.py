@@ -139,11 +139,30 @@ def torchrun_flags(job: NodeJob, node_rank: int) -> list[str]:
     ]
 
 
+def user_traceback(text: str) -> str:
+    """`text` (a formatted traceback) without its leading frames from torch's ``record``, runpy and the bootstrap."""
+    lines = text.splitlines()
+    internal = ("torch/distributed/elastic/", "<frozen runpy>", "runpy.py", "zerotrain/launcher/bootstrap.py")
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    cut = None
+    for index in frames:
+        if any(part in lines[index] for part in internal):
+            cut = index
+        else:
+            break
+    if cut is None or not lines:
+        return text
+    rest = lines[cut + 1:]
+    while rest and not rest[0].lstrip().startswith('File "'):
+        rest = rest[1:]  # the internal frame's own source lines
+    return "\n".join([lines[0], *rest])
+
+
 def _failure_record(rank: int, failure, failure_times: dict[int, int]) -> dict:
     message = getattr(failure, "message", "")
     traceback_text = ""
     if isinstance(message, dict):
-        traceback_text = str((message.get("extraInfo") or {}).get("py_callstack", ""))
+        traceback_text = user_traceback(str((message.get("extraInfo") or {}).get("py_callstack", "")))
         message = message.get("message", "")
     return {
         "rank": rank, "local_rank": failure.local_rank, "pid": failure.pid, "exitcode": failure.exitcode,

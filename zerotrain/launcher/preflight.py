@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -60,17 +61,18 @@ COLUMNS: dict[str, str] = {
     "master_port": "master port",
 }
 
-_SAME_ENV_FIX = "install the same environment at the same path on every node (same venv/conda path), or use a shared filesystem"
-# The ssh cell's short text per SshFailure kind; the failure's own message (which names the host
-# and says how to fix it) becomes the cell's fix.
+_SAME_ENV_FIX = ("install the same environment at the same path on every node (same venv/conda path), "
+                 "or use a shared filesystem")
+# The ssh check's (text, cell) per SshFailure kind; the failure's own message (which names the
+# host and says how to fix it) becomes the check's fix.
 _SSH_LABELS = {
-    "refused": "ssh connection refused",
-    "timeout": "ssh timed out",
-    "auth": "ssh permission denied",
-    "dns": "ssh: unknown host name",
-    "host-key": "ssh: host key not accepted",
-    "unreachable": "ssh: host unreachable",
-    "other": "ssh failed",
+    "refused": ("ssh connection refused", "refused"),
+    "timeout": ("ssh timed out", "timed out"),
+    "auth": ("ssh permission denied", "denied"),
+    "dns": ("ssh: unknown host name", "unknown host"),
+    "host-key": ("ssh: host key not accepted", "host key"),
+    "unreachable": ("ssh: host unreachable", "unreachable"),
+    "other": ("ssh failed", "failed"),
 }
 
 
@@ -81,7 +83,14 @@ class Check:
     status: str
     """"ok", "warn", "fail", or "skip" (not checked because an earlier check failed; shown as "-")."""
     text: str
+    """What was found, as a line of its own (the failure and warning lines)."""
     fix: str = ""
+    short: str = ""
+    """What the table cell shows, when shorter than `text`."""
+
+    @property
+    def cell(self) -> str:
+        return self.short or self.text
 
 
 _SKIP = Check("skip", "-")
@@ -191,18 +200,12 @@ def run_preflight(request: PreflightRequest, timeout_s: float = 30) -> Preflight
     window_s = port_window_s(timeout_s)
     token = secrets.token_hex(8)
     command = probe_command(request.python)
-    groups = [[node for node in request.nodes if node.node_rank == 0], [n for n in request.nodes if n.node_rank != 0]]
+    groups = [[n for n in request.nodes if n.node_rank == 0], [n for n in request.nodes if n.node_rank != 0]]
     results: dict[str, subprocess.CompletedProcess] = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [
-            pool.submit(
-                run_on_hosts,
-                [node.host for node in group],
-                command,
-                request.ssh,
-                stdin_text=probe_source(probe_params(request, group[0], window_s, token)),
-                timeout_s=timeout_s,
-            )
+            pool.submit(run_on_hosts, [node.host for node in group], command, request.ssh,
+                        stdin_text=probe_source(probe_params(request, group[0], window_s, token)), timeout_s=timeout_s)
             for group in groups
             if group
         ]
@@ -226,12 +229,12 @@ def parse_probe_output(stdout: str) -> dict[str, Any] | None:
 
 def judge_preflight(request: PreflightRequest, results: Mapping[str, subprocess.CompletedProcess]) -> PreflightReport:
     """Turns every node's ssh result into its row of checks."""
-    facts = {node.host: parse_probe_output(_text(results[node.host].stdout)) if node.host in results else None
+    facts = {node.host: parse_probe_output(results[node.host].stdout or "") if node.host in results else None
              for node in request.nodes}
     # Versions are compared with node 0's; if node 0 did not answer, with the first node that did.
     reference = next(((node, facts[node.host]) for node in request.nodes if facts[node.host]), None)
-    node0 = request.nodes[0] if request.nodes else None
-    master_listening = bool(node0 and facts.get(node0.host) and facts[node0.host]["port"].get("ok"))
+    node0 = next((node for node in request.nodes if node.node_rank == 0), None)
+    master_listening = bool(node0 and facts[node0.host] and facts[node0.host]["port"].get("ok"))
     reports = []
     for node in request.nodes:
         found = facts[node.host]
@@ -243,34 +246,27 @@ def judge_preflight(request: PreflightRequest, results: Mapping[str, subprocess.
     return PreflightReport(reports)
 
 
-def _text(value: str | bytes | None) -> str:
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return value or ""
-
-
 def _unanswered(node: Node, request: PreflightRequest, result: subprocess.CompletedProcess | None) -> dict[str, Check]:
     """The checks of a node whose probe gave no answer: ssh failed, Python is missing, or the probe broke."""
     host = node.host
     if result is None:
         return {"ssh": Check("fail", f"no result from {host}", f"run `ssh {host} true` to see why")}
-    stderr = _text(result.stderr)
+    stderr = result.stderr or ""
     # run_on_hosts reports a host it had to stop (timeout_s) as an ssh "timeout" failure too.
     failure = classify_ssh_failure(host, result.returncode, stderr)
     if failure is not None:
-        return {"ssh": Check("fail", _SSH_LABELS.get(failure.kind, _SSH_LABELS["other"]), failure.message)}
+        text, short = _SSH_LABELS.get(failure.kind, _SSH_LABELS["other"])
+        return {"ssh": Check("fail", text, failure.message, short)}
     ssh_ok = Check("ok", "ok")
     if result.returncode == 127 or (result.returncode != 0 and "No such file or directory" in stderr):
-        return {"ssh": ssh_ok, "python": Check("fail", f"python not found: {request.python}", _SAME_ENV_FIX)}
+        missing = Check("fail", f"python not found: {request.python}", _SAME_ENV_FIX, "not found")
+        return {"ssh": ssh_ok, "python": missing}
     if result.returncode == 126:
-        return {"ssh": ssh_ok, "python": Check("fail", f"python not executable: {request.python}", _SAME_ENV_FIX)}
+        return {"ssh": ssh_ok, "python": Check("fail", f"python not executable: {request.python}", _SAME_ENV_FIX,
+                                                     "not executable")}
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "no output")
-    return {
-        "ssh": ssh_ok,
-        "python": Check(
-            "fail", f"pre-flight probe failed (exit {result.returncode}): {last}", f"run {request.python} on {host} to see why"
-        ),
-    }
+    what = f"pre-flight probe failed (exit {result.returncode}): {last}"
+    return {"ssh": ssh_ok, "python": Check("fail", what, f"run {request.python} on {host} to see why", "probe failed")}
 
 
 def _judge_facts(
@@ -283,17 +279,12 @@ def _judge_facts(
     checks = {"ssh": Check("ok", "ok")}
     for key in ("python", "torch", "zerotrain"):
         checks[key] = _judge_version(key, node, request, facts, reference)
-    checks["cwd"] = (
-        Check("ok", "ok")
-        if facts["cwd_exists"]
-        else Check(
-            "fail",
-            f"cwd missing: {request.cwd}",
-            "the job runs in the launching directory on every node: create it there, or use a shared filesystem",
-        )
-    )
     if facts["cwd_exists"]:
+        checks["cwd"] = Check("ok", "ok")
         checks["target"] = _judge_target(request, facts["target_present"])
+    else:  # the target is looked for in cwd: not checked
+        checks["cwd"] = Check("fail", f"cwd missing: {request.cwd}", "the job runs in the launching directory on "
+                              "every node: create it there, or use a shared filesystem", "missing")
     checks["gpus"] = _judge_gpus(node, facts["gpus"])
     checks["nofile"] = _judge_open_files(facts["nofile"], request.world_size)
     checks["memlock"] = _judge_memlock(facts["memlock"], facts["gpus"] > 0)
@@ -310,7 +301,8 @@ def _judge_version(
 ) -> Check:
     version = facts.get(key)
     if version is None:
-        return Check("fail", f"{key} not installed", f"pip install {key} into {request.python} on {node.host}")
+        fix = f"pip install {key} into {request.python} on {node.host}"
+        return Check("fail", f"{key} not installed", fix, "missing")
     if reference is None or reference[0] == node:
         return Check("ok", version)
     ref_node, ref_facts = reference
@@ -319,7 +311,7 @@ def _judge_version(
         return Check("ok", version)
     fix = _SAME_ENV_FIX if key == "python" else f"pip install {key}=={wanted} into {request.python} on {node.host}"
     where = f"node 0 ({ref_node.host})" if ref_node.node_rank == 0 else ref_node.host
-    return Check("fail", f"{key} {version} here, {wanted} on {where}", fix)
+    return Check("fail", f"{key} {version} here, {wanted} on {where}", fix, f"{version} != {wanted}")
 
 
 def _judge_target(request: PreflightRequest, present: bool) -> Check:
@@ -327,18 +319,13 @@ def _judge_target(request: PreflightRequest, present: bool) -> Check:
         return Check("ok", "ok")
     target, kind = request.target, request.target_kind
     if kind == "script":
-        return Check(
-            "fail",
-            f"script not found: {target} (in {request.cwd})",
-            "copy it to the same path on every node, or use a shared filesystem",
-        )
+        return Check("fail", f"script not found: {target} (in {request.cwd})",
+                     "copy it to the same path on every node, or use a shared filesystem", "missing")
     if kind == "module":
-        return Check(
-            "fail",
-            f"module not found: {target.split('.')[0]} (in {request.cwd} or {request.python})",
-            f"put it under {request.cwd} on every node, or pip install it into {request.python}",
-        )
-    return Check("fail", f"program not found: {target}", "install it on every node, on the PATH ssh sessions get")
+        return Check("fail", f"module not found: {target.split('.')[0]} (in {request.cwd} or {request.python})",
+                     f"put it under {request.cwd} on every node, or pip install it into {request.python}", "missing")
+    return Check("fail", f"program not found: {target}", "install it on every node, on the PATH ssh sessions get",
+                 "missing")
 
 
 def _judge_gpus(node: Node, gpus: int) -> Check:
@@ -346,11 +333,10 @@ def _judge_gpus(node: Node, gpus: int) -> Check:
         return Check("ok", "CPU")
     needed = max(node.nproc, max(node.slots, default=-1) + 1)
     if gpus < needed:
-        return Check(
-            "fail",
-            f"{gpus} GPUs, {node.nproc} ranks need slots {','.join(map(str, node.slots))}",
-            f"give {node.host} at most {gpus} slots (0..{gpus - 1}) in the hostfile",
-        )
+        slots = ",".join(map(str, node.slots))
+        return Check("fail", f"{gpus} GPU{'s' if gpus > 1 else ''}, slots {slots} need {needed}",
+                     f"give {node.host} at most {gpus} slots (GPUs 0..{gpus - 1}) in the hostfile or --include",
+                     f"{gpus} < {needed}")
     return Check("ok", str(gpus))
 
 
@@ -374,10 +360,11 @@ def _judge_open_files(limits: Sequence[int | None], world_size: int) -> Check:
         f"/etc/security/limits.conf, or LimitNOFILE= in the sshd/systemd unit"
     )
     if effective is not None and effective < minimum:
-        return Check("fail", f"open files {text}, below {minimum} needed for {world_size} ranks", fix)
+        return Check("fail", f"ulimit -n {text}, below {minimum} needed for {world_size} ranks", fix,
+                     f"{text} < {minimum}")
     if effective is not None and effective < recommended:
-        return Check("warn", f"open files {text}, below {recommended}", fix)
-    return Check("ok", text)
+        return Check("warn", f"ulimit -n {text}, below {recommended}", fix, f"{text} < {recommended}")
+    return Check("ok", text, short=_limit_text(effective, effective))
 
 
 def _judge_memlock(limits: Sequence[int | None], gpu_node: bool) -> Check:
@@ -385,39 +372,33 @@ def _judge_memlock(limits: Sequence[int | None], gpu_node: bool) -> Check:
     effective = hard if "memlock" in LIMITS_RAISED_TO_HARD else soft
     text = _limit_text(soft, hard, unit=1024) + (" KiB" if effective is not None else "")
     if gpu_node and effective is not None:
-        return Check(
-            "warn",
-            f"locked memory {text}, not unlimited (NCCL over InfiniBand needs it)",
-            "memlock unlimited in /etc/security/limits.conf (or LimitMEMLOCK=infinity in the sshd/systemd unit)",
-        )
+        return Check("warn", f"ulimit -l {text}, not unlimited", "NCCL over InfiniBand locks memory: set memlock "
+                     "unlimited in /etc/security/limits.conf (or LimitMEMLOCK=infinity in the sshd/systemd unit)", text)
     return Check("ok", text)
 
 
 def _judge_port(node: Node, request: PreflightRequest, port: Mapping[str, Any], master_listening: bool) -> Check:
     p, addr, host = request.master_port, request.master_addr, node.host
+    node0_host = next(n.host for n in request.nodes if n.node_rank == 0)
     if port.get("role") == "listen":
         if port.get("ok"):
-            return Check("ok", f"listening on {p}")
-        return Check(
-            "fail",
-            f"port {p} busy on {host} ({port.get('error', 'bind failed')})",
-            f"pass another --master_port, or stop the job using port {p} on {host}",
-        )
+            return Check("ok", f"listening on {p}", short="listening")
+        error = port.get("error", "bind failed")
+        if "ermission" in error:  # a port below 1024 without root
+            return Check("fail", f"port {p} not allowed on {host} ({error})", "pass a --master_port above 1023",
+                         "not allowed")
+        return Check("fail", f"port {p} busy on {host} ({error})",
+                     f"pass another --master_port, or stop the job using port {p} on {host}", "busy")
     if not master_listening:
         return _SKIP  # node 0 did not listen: whatever answered (or not) says nothing
     if port.get("ok"):
-        return Check("ok", f"reached {addr}:{p}")
+        return Check("ok", f"reached {addr}:{p}", short="reached")
     if port.get("foreign"):
-        return Check(
-            "fail",
-            f"{addr}:{p} is not node 0 ({request.nodes[0].host}) as seen from {host}",
-            "pass --master_addr an address of node 0 that every node can reach",
-        )
-    return Check(
-        "fail",
-        f"cannot reach {addr}:{p} from {host} ({port.get('error', 'failed')})",
-        f"open port {p} on node 0's firewall, or pass --master_addr an address of node 0 that {host} can reach",
-    )
+        return Check("fail", f"{addr}:{p} is not node 0 ({node0_host}) as seen from {host}",
+                     "pass --master_addr an address of node 0 that every node can reach", "not node 0")
+    return Check("fail", f"cannot reach {addr}:{p} from {host} ({port.get('error', 'failed')})",
+                 f"open port {p} in node 0's firewall, or pass --master_addr an address of node 0 that {host} "
+                 "can reach", "unreachable")
 
 
 # --- display ----------------------------------------------------------------------------------
@@ -427,14 +408,16 @@ _STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 def render_preflight(report: PreflightReport) -> Table:
     """The report as a table: one row per node, one column per check; failures red, warnings yellow."""
-    table = Table(title="zerotrain launch: pre-flight checks", title_justify="left")
-    table.add_column("node")
+    table = Table(title="zerotrain launch: pre-flight checks", title_justify="left", box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False, collapse_padding=True)
+    # Folded, never cut short with "...": a host name or version must be read in full, even on a narrow terminal.
+    table.add_column("node", overflow="fold")
     for heading in COLUMNS.values():
-        table.add_column(heading)
+        table.add_column(heading, overflow="fold")
     for row in report.nodes:
         cells = [Text(row.node.host)]
         for key in COLUMNS:
             check = row.checks.get(key, _SKIP)
-            cells.append(Text(check.text, style=_STYLES.get(check.status, "")))
+            cells.append(Text(check.cell, style=_STYLES.get(check.status, "")))
         table.add_row(*cells)
     return table

@@ -159,14 +159,7 @@ def connect(addr, port, window_s, token, result):
     error = "no attempt"
     while True:
         try:
-            with socket.create_connection((addr, port), timeout=CONNECT_ATTEMPT_S) as conn:
-                conn.settimeout(CONNECT_ATTEMPT_S)
-                answer = b""
-                while not answer.endswith(b"\n") and len(answer) < 256:
-                    chunk = conn.recv(256)
-                    if not chunk:
-                        break
-                    answer += chunk
+            conn = socket.create_connection((addr, port), timeout=CONNECT_ATTEMPT_S)
         except socket.gaierror as exc:
             # A name that does not resolve will not resolve on a retry either.
             result.update(ok=False, error="cannot resolve %s: %s" % (addr, exc.strerror or exc))
@@ -176,7 +169,8 @@ def connect(addr, port, window_s, token, result):
         except OSError as exc:
             error = exc.strerror or str(exc)
         else:
-            if answer.decode(errors="replace").strip() == token:
+            # Connected: node 0's listener answers at once; silence or anything else is another program.
+            if _read_line(conn) == token:
                 result.update(ok=True)
             else:
                 result.update(ok=False, error="answered, but not by node 0's pre-flight check", foreign=True)
@@ -185,6 +179,22 @@ def connect(addr, port, window_s, token, result):
             result.update(ok=False, error=error)
             return
         time.sleep(RETRY_PAUSE_S)
+
+
+def _read_line(conn):
+    """The first line `conn` sends within CONNECT_ATTEMPT_S, or None; closes `conn`."""
+    answer = b""
+    try:
+        with conn:
+            conn.settimeout(CONNECT_ATTEMPT_S)
+            while not answer.endswith(b"\n") and len(answer) < 256:
+                chunk = conn.recv(256)
+                if not chunk:
+                    break
+                answer += chunk
+    except OSError:
+        return None
+    return answer.decode(errors="replace").strip()
 
 
 def probe(params):

@@ -28,7 +28,7 @@ NODELIST_VARIABLES = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")
 # fill memory. Slurm's own parser stops at 64K hosts a range too.
 MAX_EXPANDED_HOSTS = 64 * 1024
 
-_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
+_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -89,8 +89,9 @@ def srun_argv(
     shell would and placed after zerotrain's own options, so an option given there (say
     ``--kill-on-bad-exit=0`` or ``--cpus-per-task=32``) overrides or adds to them.
     The agents get the launching environment (``--export=ALL``) whatever the batch script's
-    ``--export`` said; `environ_names` are named in that option too, so the step also
-    carries them when a ``launcher_args`` ``--export`` (which replaces ours) is not ALL-based.
+    ``--export`` said. `environ_names` are the variables the agents cannot run without
+    (MASTER_ADDR, ...): they are listed in that option after ALL, and an ``--export`` in
+    `launcher_args` (which replaces ours, srun keeping the last) must still pass them.
     """
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise SlurmError(f"the number of nodes for srun must be a whole number of at least 1, got {num_nodes!r}")
@@ -101,8 +102,11 @@ def srun_argv(
         argv.append(f"--nodelist={_nodelist_option(num_nodes, nodelist)}")
     # Without it srun lets the other agents run on when one exits with an error.
     argv.append("--kill-on-bad-exit=1")
-    argv.append(",".join(["--export=ALL", *_export_names(environ_names)]))
-    argv.extend(_split_launcher_args(launcher_args))
+    names = _export_names(environ_names)
+    argv.append(",".join(["--export=ALL", *names]))
+    user_args = _split_launcher_args(launcher_args)
+    _check_user_export(user_args, names)
+    argv.extend(user_args)
     argv.extend(agent_argv)
     return argv
 
@@ -243,6 +247,32 @@ def _export_names(environ_names: Sequence[str]) -> list[str]:
         if name not in names:
             names.append(name)
     return names
+
+
+def _check_user_export(user_args: Sequence[str], names: Sequence[str]) -> None:
+    """Refuses a launcher ``--export`` that would keep `names` from the agents."""
+    for index, arg in enumerate(user_args):
+        if arg.startswith("--export="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--export" and index + 1 < len(user_args):
+            value = user_args[index + 1]
+        else:
+            continue
+        exported = [item.split("=", 1)[0] for item in value.split(",")]
+        if exported[0] == "ALL":
+            continue
+        missing = [name for name in names if name not in exported]
+        if not missing:
+            continue
+        fix = (
+            "leave --export out, or write `--export=ALL,...` with your additions"
+            if value == "NONE"
+            else f"start it with ALL (`--export=ALL,{value}`) or add the missing names to it"
+        )
+        raise SlurmError(
+            f"the launcher argument `--export={value}` would keep {', '.join(missing)} from the node agents, "
+            f"which need them; {fix}"
+        )
 
 
 def _split_launcher_args(launcher_args: str) -> list[str]:
