@@ -286,7 +286,7 @@ def _judge_facts(
         checks["cwd"] = Check("fail", f"cwd missing: {request.cwd}", "the job runs in the launching directory on "
                               "every node: create it there, or use a shared filesystem", "missing")
     checks["gpus"] = _judge_gpus(node, facts["gpus"])
-    checks["nofile"] = _judge_open_files(facts["nofile"], request.world_size)
+    checks["nofile"] = _judge_open_files(facts["nofile"], request.world_size, facts["gpus"] > 0)
     checks["memlock"] = _judge_memlock(facts["memlock"], facts["gpus"] > 0)
     checks["master_port"] = _judge_port(node, request, facts["port"], master_listening)
     return checks
@@ -349,7 +349,7 @@ def _limit_text(soft: int | None, hard: int | None, unit: int = 1) -> str:
     return show(soft) if soft == hard else f"{show(soft)}/{show(hard)}"
 
 
-def _judge_open_files(limits: Sequence[int | None], world_size: int) -> Check:
+def _judge_open_files(limits: Sequence[int | None], world_size: int, gpu_node: bool = True) -> Check:
     soft, hard = limits
     effective = hard if "nofile" in LIMITS_RAISED_TO_HARD else soft
     text = _limit_text(soft, hard)
@@ -362,7 +362,8 @@ def _judge_open_files(limits: Sequence[int | None], world_size: int) -> Check:
     if effective is not None and effective < minimum:
         return Check("fail", f"ulimit -n {text}, below {minimum} needed for {world_size} ranks", fix,
                      f"{text} < {minimum}")
-    if effective is not None and effective < recommended:
+    # The recommendation is NCCL's; Gloo on CPU nodes is fine with the minimum.
+    if effective is not None and effective < recommended and gpu_node:
         return Check("warn", f"ulimit -n {text}, below {recommended}", fix, f"{text} < {recommended}")
     return Check("ok", text, short=_limit_text(effective, effective))
 
