@@ -66,6 +66,11 @@ def init_distributed(timeout_s: float = 1800.0) -> LaunchEnv:
     launch = read_launch_env()
     # MPI and Slurm launchers set no rendezvous address; torch needs one.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # As DeepSpeed does under mpirun/srun: torchrun's names too, for scripts (and libraries) that read them.
+    if launch.world_size > 1:
+        for name, value in (("RANK", launch.rank), ("WORLD_SIZE", launch.world_size),
+                            ("LOCAL_RANK", launch.local_rank)):
+            os.environ.setdefault(name, str(value))
     store = None
     if "MASTER_PORT" not in os.environ:
         if launch.world_size > 1:

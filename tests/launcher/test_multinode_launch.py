@@ -222,3 +222,72 @@ def test_elastic_job_goes_on_with_the_first_node_when_the_second_nodes_agent_is_
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_slurm_launcher_starts_one_agent_per_node_with_srun_over_the_expanded_nodelist(zerotrain_cli):
+    (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
+    done = zerotrain_cli("launch", "--launcher", "slurm", "--num_gpus", "4", "--launcher_args=--partition=gpu",
+                         "--dry_run", "train.py", env={"SLURM_JOB_NODELIST": "gpu[01-02,07]"})
+    assert done.returncode == 0, done.stderr
+    (command,) = [line for line in done.stdout.splitlines() if line.startswith("srun ")]
+    assert "--nodes=3" in command and "--ntasks-per-node=1" in command and "--nodelist=gpu01,gpu02,gpu07" in command
+    assert "--partition=gpu" in command and "-m zerotrain.launcher.node_agent --job" in command
+    assert re.search(r"gpu07\s*│\s*0,1,2,3\s*│\s*8-11", done.stderr), done.stderr
+
+
+def test_slurm_launcher_outside_an_allocation_says_how_to_get_one(zerotrain_cli):
+    (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
+    env = {k: "" for k in ("SLURM_JOB_NODELIST", "SLURM_NODELIST")}
+    done = zerotrain_cli("launch", "--launcher", "slurm", "--dry_run", "train.py", env=env)
+    assert done.returncode == 2 and "salloc" in done.stderr, done.stderr
+
+
+def test_mpirun_command_line_for_each_mpi_launcher(zerotrain_cli, tmp_path):
+    (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    seen = {}
+    for flavour in ("openmpi", "mpich", "impi"):
+        done = zerotrain_cli("launch", "--hostfile", hostfile, "--launcher", flavour, "--master_port", "29600",
+                             "--dry_run", "train.py", "--lr", "1")
+        assert done.returncode == 0, done.stderr
+        seen[flavour] = done.stdout.strip().splitlines()[-1]
+    assert seen["openmpi"].startswith("mpirun -n 4 --host worker-0:2,worker-1:2")
+    assert "-x MASTER_ADDR=worker-0" in seen["openmpi"] and "-x MASTER_PORT=29600" in seen["openmpi"]
+    assert seen["mpich"].startswith("mpirun -n 4 -ppn 2 -hosts worker-0,worker-1")
+    assert "-genv MASTER_ADDR worker-0" in seen["mpich"] and "-genv I_MPI_PIN 0" in seen["impi"]
+    for command in seen.values():
+        assert command.endswith("train.py --lr 1")
+
+
+def test_include_with_num_nodes_is_refused_as_deepspeed_does(zerotrain_cli, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
+    done = zerotrain_cli("launch", "--hostfile", hostfile, "--include", "worker-0", "--num_nodes", "1",
+                         "--dry_run", "train.py")
+    assert done.returncode == 2 and "cannot be combined" in done.stderr
+
+
+def test_a_bad_hostfile_line_is_reported_with_file_line_and_fix(zerotrain_cli, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots = 2\n")
+    (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
+    done = zerotrain_cli("launch", "--hostfile", hostfile, "--dry_run", "train.py")
+    assert done.returncode == 2 and f"{hostfile}:2" in done.stderr and "slots=" in done.stderr, done.stderr
+
+
+def test_zerotrain_train_with_a_hostfile_trains_on_both_nodes(ssh_cluster, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    run = tmp_path / "run"
+    argv = [zerotrain_script(), "train", "--hostfile", str(ssh_cluster.hostfile(slots=1)), "--nproc_per_node", "1",
+            "--ssh_args", ssh_cluster.ssh_args, "--master_port", str(_free_port()), "--output.dir", str(run),
+            "--data.cache_dir", str(tmp_path / "cache"), "--training.max_steps", "4",
+            "--training.micro_batch_size", "4", "--logging.interval", "1", "--data.synthetic.num_examples", "2000"]
+    done = subprocess.run(argv, cwd=cwd, env=_env(f"train-{uuid.uuid4().hex[:8]}"), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "job finished on 2 nodes (2 ranks)" in done.stderr
+    assert "[127.0.0.2 0]: zerotrain train: finished" in done.stdout
+    assert (run / "metrics.csv").is_file() and (run / "checkpoints" / "latest").is_file()

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -200,7 +201,10 @@ def quiet_agent_logs() -> Iterator[None]:
 @contextlib.contextmanager
 def _worker_environment(nproc: int, failure_times_dir: str) -> Iterator[None]:
     """Sets the variables the workers inherit from us for the duration of the job."""
-    added = {bootstrap.FAILURE_TIMES_ENV: failure_times_dir}
+    from zerotrain.launcher.node_job import JOB_ID_ENV
+
+    # The job id lets SIGUSR1 (dump stacks) find exactly this job's ranks.
+    added = {bootstrap.FAILURE_TIMES_ENV: failure_times_dir, JOB_ID_ENV: os.environ.get(JOB_ID_ENV) or uuid.uuid4().hex[:12]}
     if "OMP_NUM_THREADS" not in os.environ:
         # Every rank gets the same share of the cores; setting it ourselves also
         # keeps torchrun from printing its own OMP_NUM_THREADS warning.
@@ -215,6 +219,20 @@ def _worker_environment(nproc: int, failure_times_dir: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _stacks_on_sigusr1() -> Iterator[None]:
+    """SIGUSR1 to the launcher: every rank prints its Python stack (the bootstrap's faulthandler)."""
+    from zerotrain.launcher.job_processes import job_processes, signal_processes
+    from zerotrain.launcher.node_job import JOB_ID_ENV
+
+    job_id = os.environ[JOB_ID_ENV]
+    saved = signal.signal(signal.SIGUSR1, lambda *_: signal_processes(job_processes(job_id), bootstrap.DUMP_STACKS_SIGNAL))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, saved)
 
 
 def launch_local(launch: LocalLaunch, console: Console | None = None, quiet_interrupt: bool = False) -> int:
@@ -245,7 +263,7 @@ def launch_local(launch: LocalLaunch, console: Console | None = None, quiet_inte
     )
     failure_times_dir = tempfile.mkdtemp(prefix="zerotrain-launch-")
     try:
-        with _worker_environment(nproc, failure_times_dir), quiet_agent_logs():
+        with _worker_environment(nproc, failure_times_dir), quiet_agent_logs(), _stacks_on_sigusr1():
             run(parse_args(torchrun_argv(launch, nproc, master_port)))
     except ChildFailedError as error:
         codes = {failure.exitcode for failure in (getattr(error, "failures", None) or {}).values()}

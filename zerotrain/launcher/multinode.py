@@ -90,6 +90,9 @@ def resolve_selection(request: ClusterLaunch) -> dict[str, list[int]] | None:
             return None  # DeepSpeed's rule: no hostfile at the default path means this machine only
         hosts = hostfile.parse_hostfile(path)
         source = path
+    if (request.include or request.exclude) and (request.num_nodes > 0 or (request.num_gpus or 0) > 0):
+        raise LaunchError("--num_nodes/--num_gpus cannot be combined with --include/--exclude (as with DeepSpeed): "
+                          "name the hosts and slots in --include, or drop it and use --num_nodes/--num_gpus")
     selection = hostfile.select_slots(hosts, request.include, request.exclude, source=source)
     return hostfile.limit_selection(selection, request.num_nodes, request.num_gpus or -1)
 
@@ -152,14 +155,16 @@ def launch(request: ClusterLaunch, console: Console | None = None) -> int:
         if request.dry_run:
             console.print(f"zerotrain launch: no hostfile; would run {local.target} on this machine")
             return 0
-        return launch_local(local, console)
+        if request.hang_timeout or request.each_rank_log:
+            return _launch_here_with_agent(request, local, console)
+        return _launch_here(request, local, console)
     nodes = plan_nodes(selection)
     multi = request.force_multi or len(nodes) > 1 or request.no_ssh or request.launcher in ("slurm",)
     if not multi and request.launcher in ("ssh", "pdsh"):
         # One node and no --force_multi: run here, on the selected slots, as DeepSpeed does.
         (slots,) = selection.values()
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, slots)))
-        return launch_local(LocalLaunch(**{**local.__dict__, "nproc": len(slots)}), console)
+        return _launch_here(request, LocalLaunch(**{**local.__dict__, "nproc": len(slots)}), console)
     check_target(local)
     via_ssh = request.launcher in ("ssh", "pdsh") and not request.no_ssh
     master_addr = request.master_addr or (resolved_address(nodes[0].host, request.ssh) if via_ssh else nodes[0].host)
@@ -182,6 +187,30 @@ def launch(request: ClusterLaunch, console: Console | None = None) -> int:
     console.print(f"[dim]zerotrain launch: job {job_id} on {len(nodes)} nodes, {world_size(nodes)} ranks, "
                   f"master {master_addr}:{master_port}[/]")
     return run_sessions(request, jobs, sessions_argv, via_ssh, console)
+
+
+def _launch_here(request: ClusterLaunch, local: LocalLaunch, console: Console) -> int:
+    """One machine, the ranks under torch's agent in this process; --env flags apply here too."""
+    from zerotrain.launcher.job_environment import parse_env_flags
+
+    os.environ.update(parse_env_flags(request.env_flags))
+    return launch_local(local, console)
+
+
+def _launch_here_with_agent(request: ClusterLaunch, local: LocalLaunch, console: Console) -> int:
+    """One machine through a node agent, for what only it offers: hang dumps and per-rank log files."""
+    import socket
+
+    from zerotrain.launcher.local import choose_master_port, visible_gpu_count
+
+    check_target(local)
+    nproc = local.nproc or max(1, visible_gpu_count())
+    node = Node(host=socket.gethostname(), slots=tuple(range(nproc)), node_rank=0, first_rank=0)
+    port = choose_master_port(request.master_port, console)
+    job_id = os.environ.get(JOB_ID_ENV) or uuid.uuid4().hex[:12]
+    (job,) = node_jobs(request, [node], local.master_addr, port, _job_environment(request, console), job_id)
+    agent = [sys.executable, "-u", "-m", "zerotrain.launcher.node_agent"]
+    return run_sessions(request, [job], [(job, agent)], True, console)
 
 
 def _session_commands(request: ClusterLaunch, jobs: list[NodeJob], via_ssh: bool) -> list[tuple[NodeJob, list[str]]]:

@@ -27,8 +27,12 @@ from zerotrain.error_report import USAGE_EXIT_CODE
 from zerotrain.launcher.bootstrap import INTERRUPTED_EXIT_CODE  # a run stopped by Ctrl-C/SIGTERM, checkpointed
 
 TRAIN_USAGE = (
-    "zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--resume | --overwrite] [--detach] [--section.key VALUE ...]"
+    "zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--hostfile FILE] [--resume | --overwrite] [--detach] "
+    "[--section.key VALUE ...]"
 )
+# `zerotrain launch` flags that `zerotrain train` passes on to the multi-node launcher.
+LAUNCH_FLAGS = ("--hostfile", "--include", "--exclude", "--num_nodes", "--master_addr", "--master_port",
+                "--ssh_port", "--ssh_args", "--launcher")
 TRAIN_HELP = f"""usage: {TRAIN_USAGE}
 
 Train or fine-tune a Hugging Face causal LM from one YAML file (sections model, data,
@@ -38,7 +42,13 @@ Llama learning a generated arithmetic language on this machine.
   CONFIG.yaml           the run's config; `inherit: [base.yaml]` merges other files
   --section.key VALUE   override any key, e.g. --training.micro_batch_size 4
                         --zero.zero_optimization.stage 3 (VALUE is read as YAML)
-  --nproc_per_node N    processes on this machine (default: every GPU, or 2 without GPUs)
+  --nproc_per_node N    processes per machine (default: every GPU, or 2 without GPUs)
+  --hostfile FILE       train on every node of FILE ('host slots=N' lines), as
+                        `zerotrain launch` does: pre-flight checks, one log, no
+                        process left behind; output.dir must be on a filesystem
+                        every node shares. With it: --include/--exclude HOSTS,
+                        --num_nodes N, --master_addr A, --master_port P,
+                        --ssh_port P, --ssh_args "...", --launcher ssh|slurm
   --resume              continue from the newest checkpoint in output.dir
   --overwrite           start again in an output.dir that holds a run (deletes its
                         checkpoints and metrics); without it such a folder is refused
@@ -55,7 +65,8 @@ DETACH_START_TIMEOUT_S = 600.0
 def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
     """(config path, trainer flags, override tokens) from `zerotrain train`'s arguments."""
     config: str | None = None
-    flags: dict = {"nproc_per_node": None, "resume": False, "overwrite": False, "detach": False, "help": False}
+    flags: dict = {"nproc_per_node": None, "resume": False, "overwrite": False, "detach": False, "help": False,
+                   "launch": {}}
     overrides: list[str] = []
     args = list(argv)
     i = 0
@@ -69,6 +80,9 @@ def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"{name} needs a positive number of processes, got {value!r}")
             flags["nproc_per_node"] = int(value)
+        elif name in LAUNCH_FLAGS or name == "-H":
+            value, i = _flag_value(args, i, name)
+            flags["launch"]["hostfile" if name == "-H" else name[2:]] = value
         elif token in ("--resume", "--overwrite", "--detach"):
             flags[token[2:]] = True
         elif token.startswith("--") and "." in name:
@@ -142,6 +156,8 @@ def main_train(argv: Sequence[str]) -> int:
     nproc = flags["nproc_per_node"] or visible_gpu_count() or 2
     write_pid(run_dir)
     try:
+        if flags["launch"]:
+            return _train_on_nodes(cfg, run_dir, resume, flags)
         if nproc == 1:
             return run_in_this_process(cfg, resume)
         merged = cfg.write(run_dir)
@@ -157,6 +173,36 @@ def main_train(argv: Sequence[str]) -> int:
         return code
     finally:
         clear_pid(run_dir)
+
+
+def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict) -> int:
+    """The run on every node of a hostfile (or Slurm allocation), through `zerotrain launch`'s launcher."""
+    import shlex
+
+    from zerotrain.launcher.local import LaunchError
+    from zerotrain.launcher.multinode import ClusterLaunch, launch
+    from zerotrain.launcher.ssh import SshOptions
+
+    given = flags["launch"]
+    merged = cfg.write(run_dir)
+    try:
+        request = ClusterLaunch(
+            target="zerotrain.train.worker", target_args=(str(merged), "--resume", str(resume)), module=True,
+            local_rank_arg=False, hostfile=given.get("hostfile"), hostfile_given="hostfile" in given,
+            include=given.get("include", ""), exclude=given.get("exclude", ""),
+            num_nodes=int(given.get("num_nodes", -1)), num_gpus=flags["nproc_per_node"],
+            master_addr=given.get("master_addr"),
+            master_port=int(given["master_port"]) if "master_port" in given else None,
+            launcher=given.get("launcher", "ssh"),
+            ssh=SshOptions(port=int(given["ssh_port"]) if "ssh_port" in given else None,
+                           extra_args=tuple(shlex.split(given.get("ssh_args", "")))),
+        )
+        return launch(request, Console(stderr=True, soft_wrap=True))
+    except (LaunchError, ValueError) as error:
+        from zerotrain.error_report import print_user_error
+
+        print_user_error("zerotrain train", error)
+        return USAGE_EXIT_CODE
 
 
 def _detach(run_dir: Path, argv: list[str]) -> int:
