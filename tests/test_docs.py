@@ -375,7 +375,8 @@ def test_documented_train_config_is_valid(block: Block, tmp_path: Path):
 
 def test_every_fenced_block_is_classified():
     # A block in a language this test does not read (say ```toml) would go unchecked: make that visible.
-    known = SHELL_LANGS | JSON_LANGS | YAML_LANGS | {"python"}
+    # ```output: what a command prints, shown as it appears (not commands to run).
+    known = SHELL_LANGS | JSON_LANGS | YAML_LANGS | {"python", "output"}
     unread = [f"{b.doc.relative_to(REPO)}:{b.line} ```{b.lang}" for doc in DOCS for b in fenced_blocks(doc)
               if b.lang not in known]
     assert not unread, f"blocks in a language tests/test_docs.py does not check: {unread}"

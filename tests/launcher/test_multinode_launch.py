@@ -291,3 +291,19 @@ def test_zerotrain_train_with_a_hostfile_trains_on_both_nodes(ssh_cluster, tmp_p
     assert "job finished on 2 nodes (2 ranks)" in done.stderr
     assert "[127.0.0.2 0]: zerotrain train: finished" in done.stdout
     assert (run / "metrics.csv").is_file() and (run / "checkpoints" / "latest").is_file()
+
+
+def test_a_preflight_failure_stops_the_launch_before_any_rank_starts(ssh_cluster, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    hostfile = tmp_path / "hostfile"
+    # 127.0.0.9 runs no sshd: refused. Loopback only, as every test address here.
+    hostfile.write_text(f"{ssh_cluster.nodes[0].address} slots=2\n127.0.0.9 slots=2\n")
+    job = f"preflight-{uuid.uuid4().hex[:8]}"
+    argv = [zerotrain_script(), "launch", "--hostfile", str(hostfile), "--ssh_args", ssh_cluster.ssh_args,
+            "--ssh_port", "9", str(SCRIPTS / "sleep_forever.py"), str(tmp_path)]
+    done = subprocess.run(argv, cwd=cwd, env=_env(job), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "pre-flight failed, nothing was started" in done.stderr
+    assert re.search(r"127\.0\.0\.9\s+refused", done.stderr), done.stderr
+    assert not list(tmp_path.glob("rank*.pid")) and not processes_with_env("ZEROTRAIN_JOB_ID", job)
