@@ -299,9 +299,12 @@ def test_a_preflight_failure_stops_the_launch_before_any_rank_starts(ssh_cluster
     hostfile = tmp_path / "hostfile"
     # 127.0.0.9 runs no sshd: refused. Loopback only, as every test address here.
     hostfile.write_text(f"{ssh_cluster.nodes[0].address} slots=2\n127.0.0.9 slots=2\n")
+    # A closed port for it, whatever else this machine runs on port 22.
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host 127.0.0.9\n  Port {_free_port()}\nMatch all\n  Include {ssh_cluster.ssh_config}\n")
     job = f"preflight-{uuid.uuid4().hex[:8]}"
-    argv = [zerotrain_script(), "launch", "--hostfile", str(hostfile), "--ssh_args", ssh_cluster.ssh_args,
-            "--ssh_port", "9", str(SCRIPTS / "sleep_forever.py"), str(tmp_path)]
+    argv = [zerotrain_script(), "launch", "--hostfile", str(hostfile), "--ssh_args", f"-F {config}",
+            str(SCRIPTS / "sleep_forever.py"), str(tmp_path)]
     done = subprocess.run(argv, cwd=cwd, env=_env(job), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "pre-flight failed, nothing was started" in done.stderr

@@ -244,10 +244,13 @@ def _preflight(request: ClusterLaunch, nodes: Sequence[Node], master_addr: str, 
         for line in report.warnings() if hasattr(report, "warnings") else []:
             console.print(f"[yellow]zerotrain launch: {escape(line)}[/]")
         return True
+    # Off a terminal (a log file, CI) rich would squeeze the table into 80 columns.
+    if not console.is_terminal:
+        console.width = max(console.width, 160)
     console.print(render_preflight(report))
     console.print("[bold red]zerotrain launch: pre-flight failed, nothing was started:[/]")
     for line in report.failures():
-        console.print(f"  {escape(line)}")
+        console.print(f"  {escape(line)}", soft_wrap=True)
     console.print("[dim](--skip_preflight starts the job without these checks)[/]")
     return False
 
