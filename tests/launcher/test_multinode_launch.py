@@ -96,15 +96,21 @@ def test_two_nodes_of_two_ranks_train_like_one_node_of_four_with_deepspeed_env(s
     assert "job finished on 2 nodes (4 ranks)" in done.stderr
 
 
+def _start_sleeping_job(cluster, cwd: Path, pids_dir: Path, job_id: str) -> subprocess.Popen:
+    """A 2 nodes x 2 ranks job whose ranks sleep; returns its launcher once all 4 ranks are up."""
+    launcher = subprocess.Popen(
+        _launch_argv(cluster, str(SCRIPTS / "sleep_forever.py"), str(pids_dir), port=_free_port()),
+        cwd=cwd, env=_env(job_id), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(lambda: len(list(pids_dir.glob("rank*.pid"))) == 4, 90, f"job {job_id}'s 4 ranks")
+    return launcher
+
+
 def test_failing_rank_on_second_node_stops_the_job_everywhere_and_spares_another_job(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     bystander_id = f"bystander-{uuid.uuid4().hex[:8]}"
-    bystander = subprocess.Popen(
-        _launch_argv(ssh_cluster, str(SCRIPTS / "sleep_forever.py"), str(tmp_path), port=_free_port()),
-        cwd=cwd, env=_env(bystander_id), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    bystander = _start_sleeping_job(ssh_cluster, cwd, tmp_path, bystander_id)
     try:
-        _wait_for(lambda: len(list(tmp_path.glob("rank*.pid"))) == 4, 90, "the bystander job's 4 ranks")
         job = f"failing-{uuid.uuid4().hex[:8]}"
         start = time.monotonic()
         done = _run(ssh_cluster, cwd, str(TRAIN), "--fail-rank", "3", job_id=job)
@@ -130,11 +136,8 @@ def test_sigkill_of_the_launcher_ends_every_process_of_the_job(ssh_cluster, tmp_
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     job = f"killed-{uuid.uuid4().hex[:8]}"
-    launcher = subprocess.Popen(
-        _launch_argv(ssh_cluster, str(SCRIPTS / "sleep_forever.py"), str(tmp_path), port=_free_port()),
-        cwd=cwd, env=_env(job), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    launcher = _start_sleeping_job(ssh_cluster, cwd, tmp_path, job)
     try:
-        _wait_for(lambda: len(list(tmp_path.glob("rank*.pid"))) == 4, 90, "4 ranks")
         assert len(processes_with_env("ZEROTRAIN_JOB_ID", job)) >= 4
         launcher.kill()
         launcher.wait()
