@@ -10,6 +10,7 @@ MPI launchers start every rank themselves (mpirun), so they bypass the node agen
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import shlex
@@ -164,7 +165,7 @@ def launch(request: ClusterLaunch, console: Console | None = None) -> int:
         # One node and no --force_multi: run here, on the selected slots, as DeepSpeed does.
         (slots,) = selection.values()
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, slots)))
-        return _launch_here(request, LocalLaunch(**{**local.__dict__, "nproc": len(slots)}), console)
+        return _launch_here(request, dataclasses.replace(local, nproc=len(slots)), console)
     check_target(local)
     via_ssh = request.launcher in ("ssh", "pdsh") and not request.no_ssh
     master_addr = request.master_addr or (resolved_address(nodes[0].host, request.ssh) if via_ssh else nodes[0].host)
@@ -224,7 +225,7 @@ def _session_commands(request: ClusterLaunch, jobs: list[NodeJob], via_ssh: bool
     if request.launcher == "slurm":
         from zerotrain.launcher.slurm import srun_argv
 
-        job = NodeJob(**{**jobs[0].__dict__, "host": "", "node_rank": None, "slots": None})
+        job = dataclasses.replace(jobs[0], host="", node_rank=None, slots=None)
         argv = srun_argv(len(jobs), [*agent, "--job", job.to_b64()], nodelist=[j.host for j in jobs],
                          launcher_args=request.launcher_args)
         return [(job, argv)]
@@ -241,7 +242,7 @@ def _preflight(request: ClusterLaunch, nodes: Sequence[Node], master_addr: str, 
         master_addr=master_addr, master_port=master_port, ssh=request.ssh, world_size=world_size(nodes),
     ))
     if report.ok:
-        for line in report.warnings() if hasattr(report, "warnings") else []:
+        for line in report.warnings():
             console.print(f"[yellow]zerotrain launch: {escape(line)}[/]")
         return True
     # Off a terminal (a log file, CI) rich would squeeze the table into 80 columns.
