@@ -1,0 +1,32 @@
+"""What zerotrain does not have, refused with an error that says so and what to do instead."""
+
+from __future__ import annotations
+
+
+class NotSupportedByZerotrain(NotImplementedError):
+    """A DeepSpeed feature zerotrain does not implement."""
+
+
+def _refuse(feature: str, instead: str) -> NotSupportedByZerotrain:
+    return NotSupportedByZerotrain(
+        f"{feature} is not supported by zerotrain (the `deepspeed` package here is zerotrain's stand-in). "
+        f"{instead} See docs/huggingface.md, 'What is not supported'."
+    )
+
+
+def tp_model_init(*args, **kwargs):
+    """DeepSpeed's AutoTP entry point: zerotrain has no tensor parallelism."""
+    raise _refuse(
+        "Tensor parallelism (tensor_parallel.autotp_size > 1)",
+        "Remove the tensor_parallel section; ZeRO stage 3 shards the parameters instead.",
+    )
+
+
+def set_z3_leaf_modules(*args, **kwargs):
+    """DeepSpeed marks MoE blocks as ZeRO-3 leaves: zerotrain has no MoE support."""
+    raise _refuse("Mixture-of-experts leaf modules", "Train dense models, or unset ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES.")
+
+
+def sequence_parallel_unsupported(*args, **kwargs):
+    """DeepSpeed's Ulysses sequence parallelism."""
+    raise _refuse("Sequence parallelism (Ulysses / ALST)", "Use sp_size 1.")

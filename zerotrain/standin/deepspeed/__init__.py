@@ -1,0 +1,18 @@
+"""zerotrain's stand-in for DeepSpeed: `import deepspeed` under `zerotrain run` / `zerotrain launch`.
+
+Every name here is zerotrain's own object (see zerotrain/deepspeed_standin.py).
+"""
+
+from zerotrain import add_config_arguments, initialize, init_distributed
+from zerotrain.deepspeed_standin import VERSION as __version__
+from zerotrain.engine import Engine as DeepSpeedEngine
+from zerotrain.compat.unsupported_features import tp_model_init
+
+from deepspeed import comm, zero  # noqa: E402  (DeepSpeed's own layout: deepspeed.zero is runtime.zero)
+
+__zerotrain_standin__ = True
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("."))
+__git_hash__ = None
+__git_branch__ = None
+
+__all__ = ["DeepSpeedEngine", "add_config_arguments", "comm", "init_distributed", "initialize", "tp_model_init", "zero"]

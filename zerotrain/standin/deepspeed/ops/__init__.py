@@ -1,0 +1,1 @@
+"""`deepspeed.ops`: pure-torch optimizers with DeepSpeed's constructor arguments; nothing compiled."""

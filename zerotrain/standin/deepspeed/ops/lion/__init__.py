@@ -1,0 +1,3 @@
+"""`deepspeed.ops.lion`."""
+
+from zerotrain.optim.cpu_optimizers import DeepSpeedCPULion  # noqa: F401

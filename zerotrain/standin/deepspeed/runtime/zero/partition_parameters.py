@@ -1,0 +1,18 @@
+"""`deepspeed.runtime.zero.partition_parameters`: the names transformers reaches for.
+
+transformers swaps `zero_wrapper_for_fp_tensor_constructor` around `zero.Init` to keep
+`torch.arange`'s dtype; zerotrain's Init never rewrites tensor constructors, so the hook is
+kept only so that swap finds what it expects.
+"""
+
+import torch
+
+from zerotrain.compat.accelerator import get_accelerator  # noqa: F401
+from zerotrain.zero import GatheredParameters, Init  # noqa: F401
+
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):
+    """Returns `fn` unchanged: zerotrain's Init leaves tensor constructors alone."""
+    return fn
