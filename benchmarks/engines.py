@@ -96,8 +96,8 @@ def _zerotrain(model, args, spec) -> Trainer:
         device=engine.device,
         info={"version": zerotrain.__version__, "backend": dist.get_backend(),
               "optimizer": type(engine.optimizer.optimizer).__name__,
-              "offload": _offload_devices(engine.config.zero_optimization.offload_optimizer,
-                                          engine.config.zero_optimization.offload_param)},
+              "offload": _offload_devices(engine.parsed_config.zero_optimization.offload_optimizer,
+                                          engine.parsed_config.zero_optimization.offload_param)},
         memory_breakdown=engine.memory_breakdown,
     )
 

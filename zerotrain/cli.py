@@ -174,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_parser(subparsers)
     _add_config_parser(subparsers)
     _add_consolidate_parser(subparsers)
+    from zerotrain.run_command import add_run_command_parser
     from zerotrain.train.command import add_run_parsers
+
+    add_run_command_parser(subparsers)
 
     add_run_parsers(subparsers)
     return parser
@@ -204,9 +207,12 @@ def launch_request(args: argparse.Namespace):
 
 def run_launch(args: argparse.Namespace) -> int:
     """`zerotrain launch`: runs the job (this machine, or every node of a hostfile); returns its exit status."""
+    from zerotrain.deepspeed_standin import with_standin
     from zerotrain.launcher.local import LaunchError
     from zerotrain.launcher.multinode import launch
 
+    # Every rank's `import deepspeed` is zerotrain (docs/huggingface.md).
+    os.environ.update(with_standin(dict(os.environ)))
     try:
         return launch(launch_request(args))
     except LaunchError as error:

@@ -59,7 +59,11 @@ class Engine(DeepSpeedAccessors, nn.Module):
         collate_fn=None,
     ) -> None:
         super().__init__()
-        self.config = config
+        self.parsed_config = config
+        # DeepSpeed's engine.config: the config as a plain dict, "auto" values resolved
+        # (the HF Trainer reads engine.config["zero_optimization"]["stage"]).
+        self.config = config.model_dump(by_alias=True, exclude_none=True)
+        self.config.update(self.config.pop("other_deepspeed_keys", {}))
         self.device = device
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -137,7 +141,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
             cls = type(client_optimizer)
             defaults = _constructor_kwargs(cls, client_optimizer.defaults)
             return lambda groups: cls(groups, **defaults)
-        opt = self.config.optimizer
+        opt = self.parsed_config.optimizer
         if opt is None:
             raise ValueError(
                 "no optimizer: pass one to zerotrain.initialize(optimizer=...) or add an "
@@ -153,7 +157,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
             # A scheduler built on the user's optimizer now drives the rebuilt one.
             client_scheduler.optimizer = inner
             return client_scheduler
-        sched = self.config.scheduler
+        sched = self.parsed_config.scheduler
         if sched is None:
             return None
         return build_scheduler(sched.type, dict(sched.params), inner)
@@ -169,19 +173,30 @@ class Engine(DeepSpeedAccessors, nn.Module):
     # --- forward / backward / step -------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+        if self.parsed_config.fp16.enabled and self.parsed_config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
         with self.timers.measure("forward"):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagates `loss` divided by the accumulation steps and scaled for fp16."""
+    def backward(
+        self,
+        loss: torch.Tensor,
+        allreduce_gradients: bool = True,
+        release_loss: bool = False,
+        retain_graph: bool = False,
+        scale_wrt_gas: bool = True,
+    ) -> torch.Tensor:
+        """Backpropagates `loss`, scaled for fp16 and, with `scale_wrt_gas` (the default), divided
+        by the accumulation steps. The HF Trainer divides the loss itself and passes False.
+        `allreduce_gradients` and `release_loss` are DeepSpeed's and change nothing here."""
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.reduce_in_backward = self.plan.reduces_in_backward(boundary) and not self._inside_no_sync
         self.reducer.boundary = boundary
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        if scale_wrt_gas:
+            scale /= self.gradient_accumulation_steps()
         with self.timers.measure("backward"):
-            (loss * (scale / self.gradient_accumulation_steps())).backward(retain_graph=retain_graph)
+            (loss * scale).backward(retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
@@ -212,7 +227,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
                     )
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+            if self.rank == 0 and self.global_steps % self.parsed_config.steps_per_print == 0:
                 self._print_progress()
         self.micro_steps += 1
 
@@ -242,8 +257,21 @@ class Engine(DeepSpeedAccessors, nn.Module):
 
     # --- checkpoints (zerotrain/checkpoint/) ----------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> str:
-        """Saves the full training state; every rank must call it. Returns the checkpoint directory."""
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
+        """Saves the full training state; every rank must call it. Returns the checkpoint directory.
+
+        The tag defaults to `global_step{N}`; SAVE_DIR gets a `latest` file naming it and a
+        `zero_to_fp32.py` script, as DeepSpeed writes them. `exclude_frozen_parameters` is
+        accepted for DeepSpeed's signature: frozen parameters are small next to the optimizer
+        state and are kept, so any checkpoint restores the whole model.
+        """
         from zerotrain.checkpoint.saver import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
@@ -281,6 +309,30 @@ class Engine(DeepSpeedAccessors, nn.Module):
     def save_fp16_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
         """DeepSpeed's older name for `save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The whole state dict in the training dtype on rank 0 (CPU copies), None on other
+        ranks; every rank must call it (DeepSpeed's name: Accelerate and the Trainer call it)."""
+        from zerotrain.checkpoint.model_weights import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """Removes the engine's hooks from the module (Accelerate calls it before building another)."""
+        self.reducer.remove_hooks()
+        if self.param_gatherer is not None:
+            self.param_gatherer.remove_hooks()
+
+    def __getattr__(self, name: str):
+        # As DeepSpeed's engine: attributes it lacks are the wrapped module's (engine.generate,
+        # engine.config of a model is NOT forwarded: `config` is the engine's own).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, master weights and optimizer state."""

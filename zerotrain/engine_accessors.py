@@ -21,7 +21,8 @@ _MOMENTUM_KEY_OPTIMIZERS = ("SGD", "RMSprop")
 class DeepSpeedAccessors:
     """`engine.train_batch_size()`, `engine.get_lr()`, `engine.was_step_applied()`, ..."""
 
-    config: ZeroTrainConfig
+    parsed_config: ZeroTrainConfig
+    config: dict
     plan: StagePlan
     optimizer: ZeroOptimizer
     rank: int
@@ -44,18 +45,29 @@ class DeepSpeedAccessors:
 
     # --- batch sizes and accumulation ------------------------------------------------------
 
+    # Set by set_gradient_accumulation_boundary(): the caller (Accelerate, the HF Trainer)
+    # decides where accumulations end instead of the micro-step counter.
+    _boundary_override: bool | None = None
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` updates the weights (it ends an accumulation)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Makes the coming backward and step end an accumulation (True) or not (False), whatever
+        the micro-step count says: for loops that count accumulation themselves."""
+        self._boundary_override = bool(is_boundary)
+
     def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+        return self.parsed_config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
+        return self.parsed_config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self.parsed_config.gradient_accumulation_steps
 
     # --- ZeRO and the optimizer ------------------------------------------------------------
 
@@ -68,7 +80,7 @@ class DeepSpeedAccessors:
 
     def gradient_clipping(self) -> float:
         """The configured max global gradient norm; 0 means no clipping."""
-        return self.config.gradient_clipping
+        return self.parsed_config.gradient_clipping
 
     def get_lr(self) -> list[float]:
         """The lr of every param group."""
@@ -84,6 +96,16 @@ class DeepSpeedAccessors:
     def get_global_grad_norm(self) -> float | None:
         """Norm of the whole (unscaled, unclipped) gradient at the last step; inf if fp16 overflowed."""
         return self.optimizer.last_grad_norm
+
+    def fp16_enabled(self) -> bool:
+        return self.parsed_config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.parsed_config.bf16.enabled
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether stage 3 gathers whole 16-bit weights when the model is saved (the config key)."""
+        return self.parsed_config.zero_optimization.gather_16bit_weights_on_model_save
 
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` changed the weights: False before any step, after a step

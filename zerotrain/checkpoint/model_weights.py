@@ -40,7 +40,7 @@ def save_16bit_model(
     ``requires_grad=False`` are left out (buffers stay). Returns True on every rank once
     the file is in place.
     """
-    zero = engine.config.zero_optimization
+    zero = engine.parsed_config.zero_optimization
     gatherer = engine.param_gatherer
     if gatherer is not None and not zero.gather_16bit_weights_on_model_save:
         if engine.rank == 0:
@@ -53,10 +53,8 @@ def save_16bit_model(
         return False
     coord = Coordinator.for_engine(engine)
     coord.meet("save_16bit_model")
-    if gatherer is not None:
-        gatherer.gather_all()  # stage 3: every rank takes part in the gathers
+    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     if engine.rank == 0:
-        state = _module_state(engine.module, exclude_frozen_parameters)
         target = Path(save_dir) / save_filename
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp")
@@ -65,10 +63,21 @@ def save_16bit_model(
         else:
             save_file(_tied_once(state), str(tmp), metadata={"format": "pt"})
         os.replace(tmp, target)
-    if gatherer is not None:
-        gatherer.free_all()
     coord.meet("save_16bit_model:done")
     return True
+
+
+def consolidated_16bit_state_dict(engine, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+    """The whole module's state dict in the training dtype, as CPU copies, on rank 0; None on
+    the others. Every rank must call it: at stage 3 the parameters are gathered for it."""
+    gatherer = engine.param_gatherer
+    if gatherer is not None:
+        gatherer.gather_all()  # stage 3: every rank takes part in the gathers
+    try:
+        return _module_state(engine.module, exclude_frozen_parameters) if engine.rank == 0 else None
+    finally:
+        if gatherer is not None:
+            gatherer.free_all()
 
 
 def _module_state(module: torch.nn.Module, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor]:

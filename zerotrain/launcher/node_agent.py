@@ -28,6 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from zerotrain.deepspeed_standin import with_standin
 from zerotrain.launcher.job_processes import job_processes, kill_job_processes, signal_processes
 from zerotrain.launcher.node_job import DUMP_STACKS_COMMAND, JOB_ID_ENV, NODE_RANK_ENV, RESULT_MARK, NodeJob
 
@@ -81,7 +82,9 @@ def supervise(job: NodeJob, *, listen: bool) -> int:
     _raise_open_file_limit()
     workdir = Path(tempfile.mkdtemp(prefix="zerotrain-node-"))
     (workdir / _JOB_FILE).write_text(job.to_json())
-    env = {**os.environ, **job.env, JOB_ID_ENV: job.job_id, NODE_RANK_ENV: str(node_rank)}
+    # `import deepspeed` in the ranks means this node's zerotrain (the path sent with the job's
+    # PYTHONPATH is the launching machine's).
+    env = with_standin({**os.environ, **job.env, JOB_ID_ENV: job.job_id, NODE_RANK_ENV: str(node_rank)})
     agent = subprocess.Popen(
         [sys.executable, "-u", "-m", "zerotrain.launcher.node_agent", "--run-agent", str(workdir)],
         cwd=job.cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,

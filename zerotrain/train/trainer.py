@@ -293,7 +293,7 @@ class Trainer:
                 self.written_tags.remove(old)
 
     def _plan(self) -> dict:
-        sched = self.engine.config.scheduler
+        sched = self.engine.parsed_config.scheduler
         schedule = {"type": sched.type, "params": dict(sched.params)} if sched is not None else {}
         return {"global_batch": self.engine.train_batch_size(), "total_steps": self.total_steps,
                 "schedule": json.loads(json.dumps(schedule, default=str))}

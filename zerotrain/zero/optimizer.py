@@ -61,6 +61,7 @@ class ZeroOptimizer:
             nvme.attach(self.optimizer)
         self.nvme_grads = nvme_grads  # NvmeGradOffload: gradient shards parked between micro-steps
         self.last_grad_norm: float | None = None
+        self.overflow = False  # the last step was skipped for fp16 overflow (DeepSpeed's attribute)
 
     # torch.optim.Optimizer look-alike -------------------------------------------------
 
@@ -103,7 +104,8 @@ class ZeroOptimizer:
         else:
             nonfinite, sum_sq = self._local_partials(grads, check_finite=self.loss_scaler is not None)
         scale = self.cur_scale
-        if self.loss_scaler is not None and self._overflowed(nonfinite):
+        self.overflow = self.loss_scaler is not None and self._overflowed(nonfinite)
+        if self.overflow:
             self.loss_scaler.update_scale(True)
             self.last_grad_norm = float("inf")
             self.zero_grad()

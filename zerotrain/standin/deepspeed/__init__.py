@@ -3,6 +3,16 @@
 Every name here is zerotrain's own object (see zerotrain/deepspeed_standin.py).
 """
 
+import sys
+
+try:
+    import zerotrain  # noqa: F401
+except ModuleNotFoundError:
+    raise ModuleNotFoundError(
+        f"`import deepspeed` here is zerotrain's stand-in, but zerotrain is not installed for this Python "
+        f"({sys.executable}): run the command with the Python zerotrain is installed in (activate its venv)"
+    ) from None
+
 from zerotrain import add_config_arguments, initialize, init_distributed
 from zerotrain.deepspeed_standin import VERSION as __version__
 from zerotrain.engine import Engine as DeepSpeedEngine

@@ -1,0 +1,380 @@
+"""DeepSpeed's `zero_to_fp32` on zerotrain checkpoints: its functions, names and script arguments.
+
+Code and scripts written for DeepSpeed call `deepspeed.utils.zero_to_fp32` (or run the
+`zero_to_fp32.py` placed in every checkpoint folder) to get a model's fp32 weights out of
+ZeRO shards. The same calls work here on zerotrain's format, at any stage and world size:
+
+    get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False, lazy_mode=False)
+    convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
+                                               safe_serialization=False, tag=None, exclude_frozen_parameters=False)
+    load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None)
+    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization] [--max_shard_size 5GB]
+                           [--exclude_frozen_parameters] [-d]
+
+`checkpoint_dir` holds `latest` and the tag folders; the tag defaults to the one `latest` names.
+Reading is consolidate.py's (one tensor at a time); output is what DeepSpeed writes:
+`pytorch_model.bin` (torch.save of plain tensors, loadable with `weights_only=True`) or
+`model.safetensors`, split Hugging Face style with an index json above `max_shard_size`.
+An OUTPUT ending in .bin/.pt/.pth/.safetensors (and not an existing folder) is the older
+script's output *file*: that one file is written, unsharded.
+
+Differences from DeepSpeed: every floating tensor comes out fp32 (DeepSpeed leaves frozen
+parameters in their 16-bit dtype); a tied weight appears once, under the name it was saved
+under (DeepSpeed also lists its other names), which `load_state_dict(strict=False)` and
+Hugging Face loaders accept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from zerotrain.checkpoint.consolidate import (
+    _UNMAP_EVERY_BYTES, _plan_tensors, _PlannedTensor, _read_tensor, _read_tensors, _split_into_shards,
+    ProgressCallback, atomic_write_text, open_checkpoint_reader, parse_size, resolve_dtype, write_consolidated_weights,
+)
+from zerotrain.checkpoint.errors import CheckpointError
+from zerotrain.checkpoint.layout import LATEST, META
+from zerotrain.checkpoint.reader import CheckpointReader
+
+log = logging.getLogger("zerotrain")
+
+BIN_WEIGHTS_NAME = "pytorch_model.bin"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+_FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
+# meta.json marks each entry stored whole under "module/" as a frozen parameter or a buffer with this key.
+PARAMETER_FLAG = "is_parameter"
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No zerotrain checkpoint where one was asked for; the message says what was looked for, and where.
+
+    A FileNotFoundError too, as DeepSpeed raises for a missing tag folder.
+    """
+
+
+# --- finding and opening the checkpoint -------------------------------------------------------
+
+
+def open_zero_checkpoint(
+    checkpoint_dir: str | os.PathLike, tag: str | None = None, exclude_frozen_parameters: bool = False
+) -> CheckpointReader:
+    """A reader of CHECKPOINT_DIR/TAG (TAG from `latest` by default), or of a tag folder given itself.
+
+    With `exclude_frozen_parameters` the reader leaves out frozen parameters (buffers stay).
+    """
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint folder {root} does not exist")
+    if tag is None and not (root / LATEST).is_file() and not (root / META).is_file():
+        raise CheckpointNotFoundError(_nothing_found_message(root))
+    try:
+        reader = open_checkpoint_reader(root, tag)
+    except CheckpointError as error:
+        hint = _deepspeed_format_hint(root)
+        if hint:
+            raise CheckpointError(f"{error}. {hint}") from error
+        raise
+    if exclude_frozen_parameters:
+        _drop_frozen_parameters(reader)
+    return reader
+
+
+def _nothing_found_message(root: Path) -> str:
+    tags = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / META).is_file())
+    if tags:
+        return (
+            f"no `{LATEST}` file in {root} to name the checkpoint to convert; "
+            f"tags there: {', '.join(tags)}: pass one with -t/--tag (tag=...)"
+        )
+    message = (
+        f"no zerotrain checkpoint in {root}: looked for {root / LATEST} (naming the newest tag) and for "
+        f"tag folders (such as global_step100/) holding {META}, and found neither. Give the folder "
+        "engine.save_checkpoint() wrote into"
+    )
+    hint = _deepspeed_format_hint(root)
+    return f"{message}. {hint}" if hint else message
+
+
+def _deepspeed_format_hint(root: Path) -> str | None:
+    """A note for a checkpoint DeepSpeed itself wrote, which this reader does not read."""
+    if any(root.glob("*model_states.pt")) or any(root.glob("*/*model_states.pt")):
+        return "Its *model_states.pt files are DeepSpeed's own format: convert it with DeepSpeed's zero_to_fp32.py"
+    return None
+
+
+def _drop_frozen_parameters(reader: CheckpointReader) -> None:
+    entries = reader.module_entries
+    if entries and not all(PARAMETER_FLAG in info for info in entries.values()):
+        # Older checkpoints do not say which whole-stored tensors are parameters: keeping them all loses nothing.
+        log.warning(
+            "exclude_frozen_parameters: %s does not record which of its %d whole-stored tensors are frozen "
+            "parameters and which are buffers; keeping them all", reader.tag_dir, len(entries),
+        )
+        return
+    reader.module_entries = {name: info for name, info in entries.items() if not info[PARAMETER_FLAG]}
+
+
+# --- lazy tensors -------------------------------------------------------------------------------
+
+
+class _SharedReader:
+    """The reader behind a state dict's lazy tensors; unmaps its files every so many bytes read."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self._mapped = 0
+
+    def read(self, planned: _PlannedTensor) -> torch.Tensor:
+        tensor = _read_tensor(self.reader, planned)
+        self._mapped += planned.nbytes
+        if self._mapped >= _UNMAP_EVERY_BYTES:  # mapped pages count as this process's memory until unmapped
+            self.reader.close()
+            self._mapped = 0
+        return tensor
+
+
+class LazyCheckpointTensor:
+    """One tensor of a checkpoint, read (fp32) only when `.contiguous()` is called, as DeepSpeed's lazy mode.
+
+    `shape`, `dtype` and `numel()` are known without reading.
+    """
+
+    def __init__(self, source: _SharedReader, planned: _PlannedTensor) -> None:
+        self._source = source
+        self._planned = planned
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._planned.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._planned.dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def contiguous(self) -> torch.Tensor:
+        """The tensor itself, read from the checkpoint now (a fresh CPU tensor each call)."""
+        return self._source.read(self._planned)
+
+    def __repr__(self) -> str:
+        return f"LazyCheckpointTensor({self._planned.source!r}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+# --- DeepSpeed's functions ------------------------------------------------------------------------
+
+
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+    lazy_mode: bool = False,
+) -> dict[str, torch.Tensor] | dict[str, LazyCheckpointTensor]:
+    """The checkpoint's full model as a state dict of fp32 CPU tensors (integer buffers keep their type).
+
+    `checkpoint_dir` holds `latest` and the tag folders (a tag folder itself works too);
+    `tag` defaults to the one `latest` names. `exclude_frozen_parameters` leaves out
+    parameters with requires_grad=False (buffers stay). With `lazy_mode` the values are
+    LazyCheckpointTensor objects, each read only when its `.contiguous()` is called, so a
+    caller that handles one tensor at a time never holds the model (DeepSpeed's contract).
+    """
+    reader = open_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    source = _SharedReader(reader)
+    lazy = {t.name: LazyCheckpointTensor(source, t) for t in _plan_tensors(reader, torch.float32, {})}
+    if lazy_mode:
+        return lazy
+    try:
+        return {name: tensor.contiguous() for name, tensor in lazy.items()}
+    finally:
+        reader.close()
+
+
+def convert_zero_checkpoint_to_state_dict(
+    checkpoint_dir: str | os.PathLike,
+    output_dir: str | os.PathLike | None = None,
+    dtype: str | torch.dtype = torch.float32,
+    max_shard_size: int | str | None = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+    *,
+    output_file: str | os.PathLike | None = None,
+    progress: ProgressCallback | None = None,
+) -> list[Path]:
+    """Writes the checkpoint's weights as DeepSpeed does, floats in `dtype`; returns the files written.
+
+    Into `output_dir`: `pytorch_model.bin` (torch.save of plain tensors), or with
+    `safe_serialization` `model.safetensors`; above `max_shard_size` (None: never) split into
+    `pytorch_model-00001-of-0000N.bin`... plus `pytorch_model.bin.index.json` (safetensors
+    likewise). An output path ending in .bin/.pt/.pth/.safetensors that is not a folder,
+    or `output_file=` (the older keyword), is one file, written unsharded as older DeepSpeed did.
+    Files appear whole (written under temporary names, then renamed).
+    """
+    out_dtype = resolve_dtype(dtype)
+    target, single_file = _output_target(output_dir, output_file, safe_serialization)
+    max_bytes = sys.maxsize if single_file or max_shard_size is None else parse_size(max_shard_size)
+    with open_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters) as reader:
+        if target.suffix == ".safetensors":
+            return write_consolidated_weights(reader, target, out_dtype, max_bytes, progress)
+        return write_torch_weights(reader, target, out_dtype, max_bytes, progress)
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike,
+    output_dir: str | os.PathLike | None = None,
+    max_shard_size: int | str | None = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+    *,
+    output_file: str | os.PathLike | None = None,
+) -> list[Path]:
+    """`convert_zero_checkpoint_to_state_dict` in fp32 (DeepSpeed's long-standing name)."""
+    return convert_zero_checkpoint_to_state_dict(
+        checkpoint_dir, output_dir, torch.float32, max_shard_size, safe_serialization, tag,
+        exclude_frozen_parameters, output_file=output_file,
+    )
+
+
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir: str | os.PathLike, tag: str | None = None
+) -> torch.nn.Module:
+    """Moves `model` to the CPU, loads the checkpoint's fp32 weights into it and returns it.
+
+    Loading is not strict, as in DeepSpeed (a tied weight is stored under one of its names);
+    names the model does not have are logged. The model must be an ordinary (not ZeRO-3
+    partitioned) module: after this it no longer belongs to an engine.
+    """
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        log.warning("load_state_dict_from_zero_checkpoint: the model has no %s", ", ".join(result.unexpected_keys))
+    return model
+
+
+# --- writing torch files --------------------------------------------------------------------------
+
+
+def _output_target(output_dir, output_file, safe_serialization: bool) -> tuple[Path, bool]:
+    """(the weights file to write, or its name in the output folder; whether it is the older single-file form)."""
+    if (output_dir is None) == (output_file is None):
+        raise TypeError("pass output_dir (a folder), or output_file (one file, as older DeepSpeed took)")
+    path = Path(output_file if output_file is not None else output_dir)
+    if output_file is not None or (path.suffix in _FILE_SUFFIXES and not path.is_dir()):
+        if safe_serialization and path.suffix != ".safetensors":
+            raise ValueError(f"output file {path} is not a .safetensors name, but safetensors was asked for")
+        return path, True
+    return path / (SAFE_WEIGHTS_NAME if safe_serialization else BIN_WEIGHTS_NAME), False
+
+
+def write_torch_weights(
+    reader: CheckpointReader, target: Path, dtype: torch.dtype, max_bytes: int, progress: ProgressCallback | None
+) -> list[Path]:
+    """`torch.save` of plain tensors to `target`, split into numbered shards plus an index above `max_bytes`.
+
+    The torch counterpart of consolidate.write_consolidated_weights (same shard rule and index).
+    """
+    directory, stem, suffix = target.parent, target.stem, target.suffix
+    directory.mkdir(parents=True, exist_ok=True)
+    planned = _plan_tensors(reader, dtype, {})
+    shards = _split_into_shards(planned, max_bytes)
+    total_bytes = sum(t.nbytes for t in planned)
+    names = [target.name] if len(shards) == 1 else [
+        f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))
+    ]
+    temps = [directory / f".{name}.tmp-{os.getpid()}" for name in names]
+    done_tensors = done_bytes = 0
+    try:
+        for shard, temp in zip(shards, temps):
+            tensors = {}
+            for t, tensor in _read_tensors(reader, shard):
+                tensors[t.name] = tensor
+                done_tensors, done_bytes = done_tensors + 1, done_bytes + t.nbytes
+                if progress is not None:
+                    progress(done_tensors, len(planned), done_bytes, total_bytes)
+            torch.save(tensors, temp)
+            del tensors
+        written = [directory / name for name in names]
+        for temp, path in zip(temps, written):
+            os.replace(temp, path)
+    finally:
+        for temp in temps:
+            temp.unlink(missing_ok=True)
+    if len(shards) > 1:
+        weight_map = {t.name: name for shard, name in zip(shards, names) for t in shard}
+        written.append(directory / f"{target.name}.index.json")
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        atomic_write_text(written[-1], json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _remove_stale_torch_weights(directory, target.name, written)
+    return written
+
+
+def _remove_stale_torch_weights(directory: Path, file_name: str, written: list[Path]) -> None:
+    # An old sharded export beside a new single file (or the reverse) would be loaded instead of it.
+    stem, suffix = os.path.splitext(file_name)
+    pattern = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(suffix)}(\.index\.json)?")
+    for path in directory.iterdir():
+        if pattern.fullmatch(path.name) and path not in written:
+            path.unlink()
+
+
+# --- the script -----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """DeepSpeed's zero_to_fp32.py arguments."""
+    parser = argparse.ArgumentParser(
+        prog="zero_to_fp32.py",
+        description="Writes the fp32 weights of a zerotrain checkpoint folder as DeepSpeed's zero_to_fp32.py does.",
+    )
+    parser.add_argument("checkpoint_dir", help="folder holding `latest` and the tag folders, e.g. path/checkpoint-12")
+    parser.add_argument(
+        "output_dir",
+        help="folder for the weights (pytorch_model.bin or model.safetensors); a name ending in .bin, .pt, .pth "
+        "or .safetensors that is not a folder is one output file (the older form)",
+    )
+    parser.add_argument(
+        "--max_shard_size", default="5GB",
+        help="split the weights into files of at most this size (e.g. 5GB, 500MB); default 5GB",
+    )
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors instead of torch.save")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1 (default: from `latest`)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave out frozen parameters")
+    parser.add_argument("-d", "--debug", action="store_true", help="print progress after every tensor read")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the zero_to_fp32.py command line; returns the exit status (0, or 2 with the reason on stderr)."""
+    args = build_parser().parse_args(argv)
+    progress = _print_each_tensor if args.debug else None
+    try:
+        written = convert_zero_checkpoint_to_state_dict(
+            args.checkpoint_dir, args.output_dir, torch.float32, args.max_shard_size, args.safe_serialization,
+            args.tag, args.exclude_frozen_parameters, progress=progress,
+        )
+    except (CheckpointError, ValueError, OSError) as error:
+        print(f"zero_to_fp32.py: error: {error}", file=sys.stderr)
+        return 2
+    size = sum(p.stat().st_size for p in written if not p.name.endswith(".json"))
+    print(f"Saved fp32 weights ({size / 1e6:.1f} MB) to {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def _print_each_tensor(tensors_done: int, tensors_total: int, bytes_done: int, bytes_total: int) -> None:
+    print(f"[{tensors_done}/{tensors_total}] {bytes_done / 1e6:.1f} of {bytes_total / 1e6:.1f} MB", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The `zero_to_fp32.py` placed in every checkpoint folder, as DeepSpeed places its own.
+
+Users (and scripts written for DeepSpeed) run `python zero_to_fp32.py . OUTPUT_DIR` inside
+a checkpoint folder to get the fp32 weights out. The file is a few lines that hand over
+to zerotrain.checkpoint.zero_to_fp32.main, so it never goes stale against the format.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from zerotrain.checkpoint.file_mode import default_file_mode
+
+SCRIPT_NAME = "zero_to_fp32.py"
+
+SCRIPT_TEXT = '''\
+#!/usr/bin/env python
+"""Writes the fp32 weights of the zerotrain checkpoints in this folder (DeepSpeed's zero_to_fp32.py arguments).
+
+    python zero_to_fp32.py . output_dir/                        # pytorch_model.bin
+    python zero_to_fp32.py . output_dir/ --safe_serialization   # model.safetensors
+    python zero_to_fp32.py --help
+
+Written here by zerotrain when it saved a checkpoint; the work is done by zerotrain itself.
+"""
+
+import sys
+
+try:
+    from zerotrain.checkpoint.zero_to_fp32 import main
+except ImportError as error:
+    sys.exit(
+        "zero_to_fp32.py: error: this Python cannot import zerotrain, which wrote these checkpoints "
+        f"and reads them ({error}). Install it (pip install zerotrain) or run this with the Python "
+        "of the environment that trained the model."
+    )
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def write_zero_to_fp32_script(save_dir: str | os.PathLike) -> Path:
+    """Writes SAVE_DIR/zero_to_fp32.py, executable, replacing any older copy whole; returns its path."""
+    path = Path(save_dir) / SCRIPT_NAME
+    temp = path.with_name(f".{SCRIPT_NAME}.tmp-{os.getpid()}")
+    try:
+        temp.write_text(SCRIPT_TEXT)
+        mode = default_file_mode()
+        os.chmod(temp, mode | (mode & 0o444) >> 2)  # executable by whoever may read it (0o755 under umask 022)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+    return path
