@@ -169,7 +169,8 @@ class ZeroTrainConfig(ConfigSection):
 
     # ---- logging ----
     steps_per_print: PositiveInt = 10
-    """Print progress every this many optimizer steps."""
+    """Print progress every this many optimizer steps. Infinity (what Accelerate writes to
+    silence DeepSpeed) means never."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step separately."""
     dump_state: bool = False
@@ -216,6 +217,12 @@ class ZeroTrainConfig(ConfigSection):
         if unmodeled:
             data["other_deepspeed_keys"] = {**dict(data.get("other_deepspeed_keys") or {}), **unmodeled}
         return data
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinity_means_never(cls, value: Any) -> Any:
+        # Accelerate writes float("inf") to keep DeepSpeed quiet; a step count never reaches it.
+        return 2**63 - 1 if isinstance(value, float) and value == float("inf") else value
 
     @field_validator("communication_data_type", mode="before")
     @classmethod

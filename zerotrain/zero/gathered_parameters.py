@@ -12,6 +12,18 @@ Outside it (and outside their unit's forward and backward), stage-3 parameters a
 shape (`p.ds_shape`), and `p.ds_status` is "partitioned". Inside it they are whole,
 print as any `nn.Parameter`, and `p.ds_status` is "gathered"; `state_dict()` and
 `copy.deepcopy` taken inside it hold the values.
+
+Deferred parameters (a model built under `zero.Init`, not yet given to `initialize`;
+on the meta device) work too, as Hugging Face's ZeRO-3 `from_pretrained` needs: inside,
+each is a real, whole tensor on every rank (the same Parameter object: modules and
+optimizer groups keep holding it), holding what was last written into it with a
+`modifier_rank`. A deferred parameter nothing wrote yet reads as zeros (its
+initializer runs only when `initialize` materializes the model), or as the value its
+module's `__init__` gave it when that was small enough to keep. On exit with a
+`modifier_rank` that rank's value is broadcast and every rank keeps only its 1/world
+slice (deferred_values.py): the model is partitioned as it is loaded. Without one,
+changes are dropped, as for partitioned parameters. Either way the parameter is back
+on the meta device; `initialize` builds it from the slices.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerotrain import distributed as zdist
+from zerotrain.zero import deferred_values
 
 
 class GatheredParameters:
@@ -32,17 +45,23 @@ class GatheredParameters:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.flat_params = []
+        self.deferred: list[nn.Parameter] = []
         if enabled:
             for p in params:
+                if p is None:
+                    continue  # transformers passes `lm_head.bias` whether or not there is one
                 fp = getattr(p, "_zerotrain_flat_param", None)
                 if fp is not None and all(fp is not seen for seen in self.flat_params):
                     self.flat_params.append(fp)
+                elif fp is None and deferred_values.is_deferred(p) and all(p is not seen for seen in self.deferred):
+                    self.deferred.append(p)
         self._was_gathered: list[bool] = []
 
     def __enter__(self) -> "GatheredParameters":
         self._was_gathered = [fp.gathered for fp in self.flat_params]
         for fp in self.flat_params:
             fp.gather()
+        self._enter_deferred()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -56,3 +75,28 @@ class GatheredParameters:
         for fp, was in zip(self.flat_params, self._was_gathered):
             if not was:
                 fp.free()
+        self._exit_deferred()
+
+    # --- deferred parameters (built under zero.Init, before initialize) -----------------------
+
+    def _enter_deferred(self) -> None:
+        device = deferred_values.comm_device()
+        with torch.no_grad():
+            for p in self.deferred:
+                if deferred_values.has_stored_value(p):
+                    value = deferred_values.gather_whole(p, device)
+                else:
+                    value = deferred_values.initial_value(p, device)
+                deferred_values.replace_tensor(p, value)
+
+    def _exit_deferred(self) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        with torch.no_grad():
+            for p in self.deferred:
+                if self.modifier_rank is not None:
+                    value = p.detach().to(deferred_values.comm_device()).contiguous()
+                    if world > 1:
+                        zdist.broadcast(value, self.modifier_rank, "init")
+                    deferred_values.store(p, value)
+                deferred_values.replace_tensor(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+

@@ -29,6 +29,8 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from zerotrain import distributed as zdist
+from zerotrain.zero import deferred_values
+from zerotrain.zero.deferred_values import replace_tensor
 from zerotrain.zero.init_journal import InitCall, InitJournal, RandomOpRecorder, initializer_names, unwrap
 from zerotrain.zero.units import assign_params_to_units
 
@@ -102,12 +104,18 @@ class Init:
         self._mark(module)
         if param.is_meta:
             return None  # already deferred (tied weights, re-registration)
+        kept = None
         if param.numel() <= _KEEP_NUMEL and not callable(getattr(module, "reset_parameters", None)):
             # e.g. `nn.Parameter(torch.ones(d))` in a module nothing else would initialize
-            module.__dict__.setdefault(_KEPT, {})[name] = param.detach().clone()
+            kept = module.__dict__.setdefault(_KEPT, {})[name] = param.detach().clone()
         dtype = self.dtype if self.dtype is not None and param.is_floating_point() else param.dtype
         deferred = nn.Parameter(param.detach().to(device="meta", dtype=dtype), requires_grad=param.requires_grad)
         deferred.__dict__.update(param.__dict__)
+        if kept is not None:
+            deferred.__dict__[deferred_values.INIT_VALUE] = kept  # what GatheredParameters shows before a write
+        # DeepSpeed's names for a partitioned parameter's full size (Trainer counts parameters with ds_numel)
+        deferred.ds_shape = deferred.shape
+        deferred.ds_numel = deferred.numel()
         return deferred
 
     def _on_submodule(self, parent: nn.Module, name: str, child):
@@ -201,7 +209,7 @@ class Materializer:
         for fp in flat_params:
             for p in fp.params:
                 if p.is_meta:
-                    _swap_in(p, torch.empty(0, dtype=p.dtype, device=self.device))
+                    replace_tensor(p, torch.empty(0, dtype=p.dtype, device=self.device))
             fp.data = torch.zeros(fp.padded_numel, dtype=torch.float32, device=self.device)
             fp._point_params_at_data()
         indices = range(len(self.units)) if unit is None else [next(i for i, u in enumerate(self.units) if u is unit)]
@@ -230,7 +238,7 @@ class Materializer:
         fresh = {id(p) for p in self.owned[i]}
         for p in self.owned[i]:
             if p.is_meta:  # frozen, or trainable but outside the param groups: kept whole
-                _swap_in(p, torch.zeros(p.shape, dtype=p.dtype, device=self.device))
+                replace_tensor(p, torch.zeros(p.shape, dtype=p.dtype, device=self.device))
             p.__dict__.pop("_is_hf_initialized", None)  # HF's init functions would skip it
         work = _WorkTensors(fresh)
         modules = self.unit_modules[i]
@@ -259,17 +267,31 @@ class Materializer:
             for m, params in originals.items():
                 m._parameters.clear()
                 m._parameters.update(params)
+        written = self._write_stored_values(self.owned[i])
         for m in modules:
             kept = m.__dict__.get(_KEPT, {})
             if id(m) not in self.calls:
                 uninitialized += [self.names.get(id(p), n) for n, p in originals[m].items()
-                                  if p is not None and id(p) in fresh and n not in kept]
+                                  if p is not None and id(p) in fresh and n not in kept and id(p) not in written]
         if uninitialized:
             warnings.warn(
                 f"zero.Init: {uninitialized[:5]} have no initializer (no reset_parameters(), not in a "
                 "Hugging Face model) and were too large to keep from __init__: they start as zeros",
                 stacklevel=4,
             )
+
+    def _write_stored_values(self, params: list[nn.Parameter]) -> set[int]:
+        """Values written before `initialize` (a checkpoint loaded under ZeRO-3, see
+        deferred_values.py) replace what the initializers just computed. Every rank walks the
+        same parameters in the same order, so the all-gathers of their slices line up."""
+        written: set[int] = set()
+        with torch.no_grad():
+            for p in params:
+                if deferred_values.has_stored_value(p):
+                    p.copy_(deferred_values.gather_whole(p, p.device))
+                    written.add(id(p))
+                deferred_values.forget(p)
+        return written
 
     def _init_buffers_and_kept(self, m: nn.Module) -> None:
         """Buffers left on the meta device, and values kept from `__init__` (rank 0's)."""
@@ -317,14 +339,6 @@ def _writes_any(call, module: nn.Module, fresh: set[int]) -> bool:
     own = [p for p in call.params.values() if p is not None]
     below = [p for sub in module.modules() if sub is not module for p in sub._parameters.values() if p is not None]
     return any(id(p) in fresh for p in own + below)
-
-
-def _swap_in(p: nn.Parameter, value: torch.Tensor) -> None:
-    """Gives the (meta) parameter `p` the tensor `value`, keeping its identity (optimizer
-    groups, tied modules and names all hold this object) and its attributes."""
-    attrs = dict(p.__dict__)
-    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
-    p.__dict__.update(attrs)
 
 
 def _post_order(root: nn.Module, skip: set[int]) -> list[nn.Module]:

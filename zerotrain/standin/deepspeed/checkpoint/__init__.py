@@ -1,1 +1,3 @@
 """`deepspeed.checkpoint`."""
+
+from deepspeed.checkpoint import utils  # noqa: F401

@@ -1,1 +1,3 @@
 """`deepspeed.launcher`."""
+
+from deepspeed.launcher import runner  # noqa: F401

@@ -1,1 +1,2 @@
-"""`deepspeed.ops`: pure-torch optimizers with DeepSpeed's constructor arguments; nothing compiled."""
+"""`deepspeed.ops`: pure-torch optimizers with DeepSpeed's constructor arguments; nothing compiled.
+Submodules (`deepspeed.ops.adam`, ...) are imported when asked for."""
