@@ -153,7 +153,9 @@ class Engine(DeepSpeedAccessors, nn.Module):
         inner = self.optimizer.optimizer
         if client_scheduler is not None:
             if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
-                return client_scheduler(self.optimizer)
+                # A factory gets the torch optimizer (as DeepSpeed hands it its basic optimizer):
+                # torch's LR schedulers accept nothing else, e.g. HF's linear schedule callable.
+                return client_scheduler(inner)
             # A scheduler built on the user's optimizer now drives the rebuilt one.
             client_scheduler.optimizer = inner
             return client_scheduler

@@ -186,12 +186,14 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint_and_names_folder_an
         assert "bytes" in message and "'global_step1' is intact" in message
         assert result["loaded"].endswith("global_step1")
     assert (tmp_path / "latest").read_text().strip() == "global_step1"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest"]  # no .tmp left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest", "zero_to_fp32.py"]  # no .tmp left
 
 
 def test_checkpoint_files_get_the_usual_file_mode(saved):
     umask = os.umask(0)
     os.umask(umask)
     root, _ = saved
-    files = [p for p in root.rglob("*") if p.is_file()]
+    files = [p for p in root.rglob("*") if p.is_file() and p.name != "zero_to_fp32.py"]
     assert files and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o666 & ~umask)}
+    # the converter script, as DeepSpeed's, can be run directly: ./zero_to_fp32.py . out
+    assert oct((root / "zero_to_fp32.py").stat().st_mode & 0o777) == oct(0o777 & ~umask)

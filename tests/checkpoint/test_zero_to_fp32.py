@@ -169,7 +169,7 @@ def test_older_single_file_form_writes_that_file(tmp_path):
 
 
 def test_exclude_frozen_parameters_keeps_buffers(tmp_path):
-    ckpt, ref = small_checkpoint(tmp_path)
+    ckpt, _ = small_checkpoint(tmp_path)
     meta_path = ckpt / "global_step1" / META
     meta = json.loads(meta_path.read_text())
     meta["module"]["frozen.weight"][PARAMETER_FLAG] = True
@@ -234,3 +234,22 @@ def test_main_reports_a_bad_size_with_exit_2(tmp_path, capsys):
     ckpt, _ = small_checkpoint(tmp_path)
     assert main([str(ckpt), str(tmp_path / "out"), "--max_shard_size", "lots"]) == 2
     assert "lots" in capsys.readouterr().err
+
+
+def test_corrupt_shard_names_the_previous_tag_with_this_same_command(tmp_path):
+    from checkpoint_fixtures import small_params, write_checkpoint
+
+    from zerotrain.checkpoint.layout import shard_file
+
+    ckpt, _ = small_checkpoint(tmp_path)
+    newest = write_checkpoint(ckpt, small_params(seed=1), tag="global_step2")
+    meta = json.loads((newest / META).read_text())
+    meta["counters"]["global_steps"] = 2
+    (newest / META).write_text(json.dumps(meta))
+    shard = newest / shard_file(1)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    write_zero_to_fp32_script(ckpt)
+    run = _run_script(ckpt, ".", "out", "--safe_serialization")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert shard_file(1) in run.stderr
+    assert "python zero_to_fp32.py . out --tag global_step1 --safe_serialization" in run.stderr

@@ -33,6 +33,7 @@ from zerotrain.checkpoint.file_mode import default_file_mode
 from zerotrain.checkpoint.layout import (
     FORMAT, LATEST, MASTER, META, MODULE, STATE, param_slices_in, rng_file, save_range, shard_file, slice_key,
 )
+from zerotrain.checkpoint.zero_to_fp32_script import write_zero_to_fp32_script
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -83,6 +84,7 @@ def _finish_on_rank0(engine, coord, root: Path, tmp: Path, tag: str, reports: li
             if save_latest:
                 coord.pause_point("before_latest")
                 _atomic_write_text(root / LATEST, tag)
+            write_zero_to_fp32_script(root)  # as DeepSpeed: the folder carries its own converter
             return None
         except OSError as error:
             failures.append(f"rank 0: {_describe_os_error(error)}")
@@ -166,6 +168,7 @@ def _write_common_files(engine, tmp: Path, tag: str, indexes: list[dict], client
                 elif not torch.is_tensor(value):
                     group_scalars[g][key] = {"value": value, "dtype": None}
     others = module_entries(engine)
+    param_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}  # frozen ones, vs buffers
     meta = {
         "format": FORMAT,
         "tag": tag,
@@ -185,7 +188,10 @@ def _write_common_files(engine, tmp: Path, tag: str, indexes: list[dict], client
             for fp in engine.flat_params
             for name, shape in zip(fp.names, fp.shapes)
         },
-        "module": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in others.items()},
+        "module": {
+            name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "is_parameter": name in param_names}
+            for name, t in others.items()
+        },
         "kinds": kinds,
         "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}) for g in inner.param_groups],
         "group_scalars": group_scalars,

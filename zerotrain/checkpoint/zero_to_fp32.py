@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ from zerotrain.checkpoint.consolidate import (
     _UNMAP_EVERY_BYTES, _plan_tensors, _PlannedTensor, _read_tensor, _read_tensors, _split_into_shards,
     ProgressCallback, atomic_write_text, open_checkpoint_reader, parse_size, resolve_dtype, write_consolidated_weights,
 )
-from zerotrain.checkpoint.errors import CheckpointError
+from zerotrain.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from zerotrain.checkpoint.layout import LATEST, META
 from zerotrain.checkpoint.reader import CheckpointReader
 
@@ -364,12 +365,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.checkpoint_dir, args.output_dir, torch.float32, args.max_shard_size, args.safe_serialization,
             args.tag, args.exclude_frozen_parameters, progress=progress,
         )
+    except CorruptCheckpointError as error:  # point at the previous tag with this same command
+        command = _same_command_for_tag(args, error.previous_tag) if error.previous_tag else None
+        print(f"zero_to_fp32.py: error: {error.with_command(command)}", file=sys.stderr)
+        return 2
     except (CheckpointError, ValueError, OSError) as error:
         print(f"zero_to_fp32.py: error: {error}", file=sys.stderr)
         return 2
     size = sum(p.stat().st_size for p in written if not p.name.endswith(".json"))
     print(f"Saved fp32 weights ({size / 1e6:.1f} MB) to {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _same_command_for_tag(args: argparse.Namespace, tag: str) -> str:
+    """This command line again, for checkpoint tag `tag`."""
+    words = ["python", "zero_to_fp32.py", args.checkpoint_dir, args.output_dir, "--tag", tag]
+    if args.max_shard_size != "5GB":
+        words += ["--max_shard_size", args.max_shard_size]
+    for flag in ("safe_serialization", "exclude_frozen_parameters"):
+        if getattr(args, flag):
+            words.append(f"--{flag}")
+    return shlex.join(words)
 
 
 def _print_each_tensor(tensors_done: int, tensors_total: int, bytes_done: int, bytes_total: int) -> None:

@@ -1,5 +1,6 @@
 """Optimizers and learning-rate schedules, configured with DeepSpeed's names and semantics."""
 
+from zerotrain.optim.cpu_optimizers import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion
 from zerotrain.optim.lamb import Lamb
 from zerotrain.optim.lion import Lion
 from zerotrain.optim.optimizers import SUPPORTED_OPTIMIZERS, build_optimizer
@@ -16,6 +17,9 @@ from zerotrain.optim.schedules import (
 __all__ = [
     "SCHEDULES",
     "SUPPORTED_OPTIMIZERS",
+    "DeepSpeedCPUAdagrad",
+    "DeepSpeedCPUAdam",
+    "DeepSpeedCPULion",
     "LRRangeTest",
     "Lamb",
     "Lion",

@@ -10,9 +10,9 @@ parameter, which goes back to the meta device. `Materializer` all-gathers the sl
 into the parameter's bucket, after replaying the parameter's initializers, so a written
 value wins over the initializer's.
 
-Every function here that takes a collective path (`gather_whole`, `store` via its
-caller's broadcast) must be called by every rank for the same parameters, in the same
-order: the contexts and the materialization that call them are collective anyway.
+With more than one rank, `gather_whole` and `initial_value` are collectives: every rank
+calls them for the same parameters in the same order (their callers, GatheredParameters
+and the materialization, are collective anyway).
 """
 
 from __future__ import annotations

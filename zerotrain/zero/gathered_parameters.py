@@ -43,24 +43,24 @@ class GatheredParameters:
 
     def __init__(self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None, enabled: bool = True):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # None entries are skipped: transformers passes `lm_head.bias` whether or not there is one.
+        self.params = [p for p in params if p is not None] if enabled else []
         self.modifier_rank = modifier_rank
         self.flat_params = []
+        for p in self.params:
+            fp = getattr(p, "_zerotrain_flat_param", None)
+            if fp is not None and all(fp is not seen for seen in self.flat_params):
+                self.flat_params.append(fp)
         self.deferred: list[nn.Parameter] = []
-        if enabled:
-            for p in params:
-                if p is None:
-                    continue  # transformers passes `lm_head.bias` whether or not there is one
-                fp = getattr(p, "_zerotrain_flat_param", None)
-                if fp is not None and all(fp is not seen for seen in self.flat_params):
-                    self.flat_params.append(fp)
-                elif fp is None and deferred_values.is_deferred(p) and all(p is not seen for seen in self.deferred):
-                    self.deferred.append(p)
         self._was_gathered: list[bool] = []
 
     def __enter__(self) -> "GatheredParameters":
         self._was_gathered = [fp.gathered for fp in self.flat_params]
         for fp in self.flat_params:
             fp.gather()
+        # Looked up now, not at construction: a parameter already whole (an enclosing context
+        # gathered it) is that context's to put back.
+        self.deferred = list({id(p): p for p in self.params if deferred_values.is_deferred(p)}.values())
         self._enter_deferred()
         return self
 
@@ -99,4 +99,5 @@ class GatheredParameters:
                         zdist.broadcast(value, self.modifier_rank, "init")
                     deferred_values.store(p, value)
                 deferred_values.replace_tensor(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        self.deferred = []
 

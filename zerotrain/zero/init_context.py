@@ -16,6 +16,11 @@ values). The model therefore starts from the weights `torch.manual_seed(s)` and 
 ordinary build give, at every stage. At stage 3 the unit is sharded before the next
 one exists, so a rank never holds more than its shards plus one whole unit.
 
+Values written into deferred parameters before `initialize` (Hugging Face's ZeRO-3
+`from_pretrained` loads each module inside `GatheredParameters(..., modifier_rank=0)`)
+are kept as one slice per rank (deferred_values.py); materializing a unit all-gathers
+them over what its initializers computed: a written value wins.
+
 """
 
 from __future__ import annotations

@@ -1,0 +1,158 @@
+"""The Hugging Face Trainer with a DeepSpeed config runs unchanged on zerotrain's stand-in.
+
+A user's Trainer script (tests/fixtures/scripts/hf_trainer_job.py) and DeepSpeed configs as
+the transformers docs write them ("auto" everywhere, tests/fixtures/configs/hf/) are started
+with `zerotrain launch` (or `zerotrain run torchrun`) on 2 Gloo ranks, where no DeepSpeed is
+installed. In fp32 each ZeRO stage must train exactly as the Trainer's own DDP does on the same
+data: same loss at every step, resumable from its checkpoints, and `save_model` must write
+weights `from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer_fixture import STEPS, TrainerJobs, TrainerRun, job_module
+
+from zerotrain.deepspeed_standin import STANDIN_DIR
+
+LOSS_TOLERANCE = 1e-4
+
+# name -> (how it is started, extra job arguments). Each runs at most once per module.
+RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ddp": ("torchrun", ("--use_cpu", "--save_model_to", "ddp/final")),
+    "zero1": ("run-torchrun", ("--deepspeed", "zero1.json")),
+    "zero2": ("launch", ("--deepspeed", "zero2.json", "--save_model_to", "zero2/final")),
+    "zero2-offload": ("launch", ("--deepspeed", "zero2-offload.json")),
+    "zero3": ("launch", ("--deepspeed", "zero3.json", "--save_model_to", "zero3/final", "--generate")),
+    "zero3-optim-sched": ("launch", ("--deepspeed", "zero3-optim-sched.json",
+                                     "--save_strategy", "steps", "--save_steps", "4")),
+    "zero3-offload": ("launch", ("--deepspeed", "zero3-offload.json")),
+    # 2 ranks x 2 x 4 accumulated: the same 16 sequences a step as 2 x 8 x 1
+    "zero2-accumulate": ("launch", ("--deepspeed", "zero2.json", "--per_device_train_batch_size", "2",
+                                    "--gradient_accumulation_steps", "4")),
+    "zero3-resumed": ("launch", ("--deepspeed", "zero3-optim-sched.json",
+                                 "--resume_from_checkpoint", "zero3-optim-sched/checkpoint-4")),
+    "zero3-eval-only": ("launch", ("--deepspeed", "zero3.json", "--eval_only")),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> TrainerJobs:
+    return TrainerJobs(tmp_path_factory.mktemp("hf-trainer"))
+
+
+def trained(jobs: TrainerJobs, name: str) -> TrainerRun:
+    how, args = RUNS[name]
+    return jobs.run(name, *args, how=how)
+
+
+def assert_losses_match(actual: list[float], expected: list[float], what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} losses, expected {len(expected)}"
+    worst = max(abs(a - e) for a, e in zip(actual, expected))
+    assert worst <= LOSS_TOLERANCE, f"{what}: losses differ by {worst:.2e}\n  got      {actual}\n  expected {expected}"
+
+
+def test_no_deepspeed_is_installed_so_only_the_standin_can_answer_import_deepspeed():
+    # Look everywhere on sys.path but the stand-in folder (another test may have activated it here).
+    elsewhere = [p for p in sys.path if p and Path(p).resolve() != STANDIN_DIR]
+    assert importlib.machinery.PathFinder.find_spec("deepspeed", elsewhere) is None, (
+        "a real DeepSpeed is installed in this venv: these tests must show the Trainer runs without it"
+    )
+
+
+@pytest.mark.parametrize("name", [
+    "zero1",  # started with `zerotrain run torchrun`, no optimizer/scheduler section
+    "zero2",  # no optimizer/scheduler section: the Trainer's AdamW and linear schedule
+    "zero2-offload",  # offload_optimizer cpu, AdamW + WarmupDecayLR (linear warmup) sections
+    "zero3",
+    "zero3-optim-sched",  # AdamW + WarmupDecayLR sections
+    "zero3-offload",  # offload_param + offload_optimizer cpu, AdamW section, the Trainer's schedule
+])
+def test_trainer_with_a_deepspeed_config_trains_like_the_trainers_own_ddp(jobs, name):
+    reference, run = trained(jobs, "ddp"), trained(jobs, name)
+    assert run.result["deepspeed_module"].startswith(str(STANDIN_DIR)), run.result["deepspeed_module"]
+    assert run.result["engine_class"] == "zerotrain.engine.Engine"
+    assert run.result["steps"] == list(range(1, STEPS + 1))
+    assert_losses_match(run.losses, reference.losses, f"{name} vs DDP")
+    # A config's WarmupDecayLR with linear warmup is the Trainer's linear schedule, step by step.
+    assert run.result["learning_rates"] == pytest.approx(reference.result["learning_rates"], rel=1e-6, abs=1e-12)
+
+
+def test_gradient_accumulation_steps_train_like_a_bigger_micro_batch(jobs):
+    whole, accumulated = trained(jobs, "zero2"), trained(jobs, "zero2-accumulate")
+    assert_losses_match(accumulated.losses, whole.losses, "2 x 4 accumulated vs 8 x 1")
+    assert_losses_match(accumulated.losses, trained(jobs, "ddp").losses, "2 x 4 accumulated vs DDP 8 x 1")
+
+
+def test_resuming_from_a_step_4_checkpoint_reproduces_steps_5_to_8(jobs):
+    uninterrupted = trained(jobs, "zero3-optim-sched")
+    checkpoint = uninterrupted.output_dir / "checkpoint-4"
+    assert (checkpoint / "global_step4").is_dir(), sorted(p.name for p in checkpoint.iterdir())
+    assert (checkpoint / "latest").read_text().strip() == "global_step4"
+
+    resumed = trained(jobs, "zero3-resumed")
+    later = [(s, loss) for s, loss in zip(resumed.result["steps"], resumed.losses) if s > 4]
+    assert [s for s, _ in later] == [5, 6, 7, 8]
+    assert_losses_match([loss for _, loss in later], uninterrupted.losses[4:], "resumed steps 5-8")
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_save_model_writes_the_trained_weights_for_from_pretrained(jobs, name):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = trained(jobs, name)
+    model, info = AutoModelForCausalLM.from_pretrained(run.output_dir / "final", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    saved = model.state_dict()
+    engine = load_file(run.output_dir / "engine_weights.safetensors")  # gathered from the engine's model
+    assert sorted(saved) == sorted(engine)
+    for key, tensor in engine.items():
+        assert torch.equal(saved[key].float(), tensor), f"{key}: saved weights are not the engine's"
+    ddp = AutoModelForCausalLM.from_pretrained(trained(jobs, "ddp").output_dir / "final").state_dict()
+    for key, tensor in ddp.items():
+        assert torch.allclose(saved[key], tensor, atol=1e-5), f"{key}: trained differently from DDP"
+
+
+def test_a_config_value_that_contradicts_the_training_arguments_stops_with_the_trainers_error(jobs):
+    config = json.loads((jobs.cwd / "zero2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 3  # the command line says --per_device_train_batch_size 8
+    (jobs.cwd / "zero2-micro-batch-3.json").write_text(json.dumps(config, indent=2))
+
+    failed = jobs.start("mismatch", "--deepspeed", "zero2-micro-batch-3.json")
+    assert failed.process.returncode != 0
+    stderr = failed.process.stderr
+    assert "Please correct the following DeepSpeed config values that mismatch TrainingArguments values" in stderr, stderr[-4000:]
+    assert "- ds train_micro_batch_size_per_gpu=3 vs hf per_device_train_batch_size=8" in stderr
+    assert not failed.result, "the job must stop before it trains"
+
+
+def test_stage3_evaluation_without_training_gives_the_plain_models_eval_loss(jobs):
+    from transformers import AutoModelForCausalLM
+
+    run = trained(jobs, "zero3-eval-only")
+    assert run.result["engine_class"] == "zerotrain.engine.Engine"
+    model = AutoModelForCausalLM.from_pretrained(jobs.model_dir).eval()
+    eval_set = job_module().TokenSequences(16, seed=1).ids
+    with torch.no_grad():
+        plain = model(input_ids=eval_set, labels=eval_set).loss.item()
+    assert abs(run.result["eval_loss"] - plain) <= LOSS_TOLERANCE, (run.result["eval_loss"], plain)
+
+
+def test_stage3_generate_after_training_matches_the_saved_model(jobs):
+    from transformers import AutoModelForCausalLM
+
+    run = trained(jobs, "zero3")
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final").eval()
+    prompt = job_module().generation_prompt()
+    with torch.no_grad():
+        plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                               do_sample=False, pad_token_id=0)
+    assert run.result["generated"] == plain.tolist()
