@@ -41,7 +41,9 @@ from zerotrain.zero import deferred_values
 class GatheredParameters:
     """Context manager gathering partitioned parameters; with `modifier_rank`, its edits persist."""
 
-    def __init__(self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None, enabled: bool = True):
+    def __init__(
+        self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None, enabled: bool = True
+    ):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         # None entries are skipped: transformers passes `lm_head.bias` whether or not there is one.
         self.params = [p for p in params if p is not None] if enabled else []

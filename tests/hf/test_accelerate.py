@@ -1,0 +1,82 @@
+"""`zerotrain run accelerate launch ...`: Accelerate scripts with DeepSpeed configs, unchanged.
+
+Each config is a YAML as `accelerate config` writes it (tests/fixtures/configs/accelerate/).
+The job (tests/fixtures/scripts/accelerate_job.py) trains a tiny Llama on 2 Gloo ranks, with
+`save_state` halfway, `get_state_dict` at the end, then `load_state` and a replay of the second
+half. Everything must equal one plain-torch process on the global batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import FIXTURES, zerotrain_script
+
+JOB = FIXTURES / "scripts" / "accelerate_job.py"
+CONFIGS = FIXTURES / "configs" / "accelerate"
+
+
+def _env() -> dict[str, str]:
+    # the venv's python, accelerate and torchrun first, as in an activated venv
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, dict]:
+    """One process, plain torch (no Accelerate, no stand-in), the whole global batch per step."""
+    out = tmp_path_factory.mktemp("reference")
+    proc = _run([sys.executable, str(JOB), str(out), "--reference"], cwd=out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "result.json").read_text()), load_file(out / "weights.safetensors")
+
+
+def _accelerate_launch(tmp_path: Path, config: str, script: Path = JOB, *script_args: str) -> subprocess.CompletedProcess:
+    cwd = tmp_path / "cwd"
+    shutil.copytree(CONFIGS, cwd)  # deepspeed_config_file paths are relative to where the user runs
+    return _run([zerotrain_script(), "run", "accelerate", "launch", "--config_file", config, str(script), *script_args], cwd)
+
+
+def test_deepspeed_is_not_installed_in_the_test_environment():
+    assert importlib.util.find_spec("deepspeed") is None, "these tests must run where only zerotrain provides deepspeed"
+
+
+@pytest.mark.parametrize(
+    "config", ["zero1.yaml", "zero2.yaml", "zero3_offload.yaml", "config_file.yaml"],
+)
+def test_accelerate_config_trains_like_one_process_and_restores_its_state(tmp_path, reference, config):
+    expected, expected_weights = reference
+    out = tmp_path / "out"
+    proc = _accelerate_launch(tmp_path, config, JOB, str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads((out / "result.json").read_text())
+    # Accelerate on a GPU-less machine sees both ranks (not two processes that each think they are alone)
+    assert result["num_processes"] == 2
+    assert result["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert result["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    half = len(result["losses"]) // 2
+    assert result["replayed"] == pytest.approx(result["losses"][half:], abs=1e-6), "load_state did not restore"
+    weights = load_file(out / "weights.safetensors")
+    assert weights.keys() == expected_weights.keys()
+    for name, tensor in expected_weights.items():
+        assert (weights[name] - tensor).abs().max().item() < 1e-4, name
+
+
+def test_an_auto_value_accelerate_does_not_fill_gets_accelerates_error(tmp_path):
+    proc = _accelerate_launch(tmp_path, "betas_auto.yaml", FIXTURES / "scripts" / "accelerate_dummy_optim.py")
+    assert proc.returncode != 0
+    assert "`optimizer.params.betas` not found in kwargs" in proc.stderr
+    assert "prepared" not in proc.stdout
