@@ -140,3 +140,18 @@ def zerotrain_cli(tmp_path: Path) -> ZerotrainCLI:
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
     return ZerotrainCLI(cwd)
+
+
+@pytest.fixture
+def standin_deepspeed(monkeypatch):
+    """`import deepspeed` gives zerotrain's stand-in (with its metadata), for this test only."""
+    import importlib
+
+    from zerotrain.deepspeed_standin import STANDIN_DIR
+
+    before = {name for name in sys.modules if name.split(".")[0] == "deepspeed"}
+    monkeypatch.syspath_prepend(str(STANDIN_DIR))
+    importlib.invalidate_caches()
+    yield importlib.import_module("deepspeed")
+    for name in [n for n in sys.modules if n.split(".")[0] == "deepspeed" and n not in before]:
+        del sys.modules[name]

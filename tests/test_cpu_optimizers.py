@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,6 @@ import zerotrain
 from zerotrain.engine import _constructor_kwargs
 from zerotrain.optim import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion, Lion
 
-STANDIN = Path(zerotrain.__file__).parent / "standin"
 STEPS = 5
 
 
@@ -126,16 +123,6 @@ def test_constructor_arguments_round_trip_through_defaults(cls, kwargs):
     assert isinstance(opt, torch.optim.Optimizer)
     # What zerotrain's engine does with a client optimizer.
     assert _constructor_kwargs(cls, opt.defaults) == kwargs
-
-
-@pytest.fixture
-def standin_deepspeed(monkeypatch):
-    """zerotrain's `deepspeed` stand-in importable (with its metadata) for this test only."""
-    before = {name for name in sys.modules if name.split(".")[0] == "deepspeed"}
-    monkeypatch.syspath_prepend(str(STANDIN))
-    yield
-    for name in [n for n in sys.modules if n.split(".")[0] == "deepspeed" and n not in before]:
-        del sys.modules[name]
 
 
 @pytest.mark.parametrize(

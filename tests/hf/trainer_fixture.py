@@ -57,10 +57,12 @@ def job_module():
     """hf_trainer_job.py as a module: its datasets and prompt, for references computed here."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("hf_trainer_job", JOB_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if "hf_trainer_job" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("hf_trainer_job", JOB_SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up by name
+        spec.loader.exec_module(module)
+    return sys.modules["hf_trainer_job"]
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""The names transformers and Accelerate import from `deepspeed` are zerotrain's objects.
+
+The list is read from transformers' integrations/deepspeed.py, trainer.py and modeling_utils.py
+and Accelerate's accelerator.py, state.py, utils/deepspeed.py, utils/other.py and commands/launch.py.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+import zerotrain
+from zerotrain.engine import Engine
+
+
+def test_the_standin_hands_out_zerotrains_own_objects(standin_deepspeed):
+    ds = standin_deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert ds.DeepSpeedEngine is DeepSpeedEngine is Engine
+    assert ds.initialize is zerotrain.initialize
+    assert ds.zero.Init is zerotrain.zero.Init and ds.zero.GatheredParameters is zerotrain.zero.GatheredParameters
+    assert importlib.metadata.version("deepspeed") == ds.__version__
+
+
+def test_every_name_transformers_and_accelerate_import_is_there(standin_deepspeed):
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from deepspeed.comm import get_rank, init_distributed, is_initialized
+    from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.utils import logger
+    from deepspeed.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    assert callable(init_distributed) and is_initialized() in (True, False) and get_rank() == 0
+    assert get_accelerator().current_device_name() == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
+    assert {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"} <= set(VALID_LR_SCHEDULES)
+    assert pp._orig_torch_arange is torch.arange and callable(pp.zero_wrapper_for_fp_tensor_constructor)
+    assert logger.name == "zerotrain"
+    assert all(issubclass(c, torch.optim.Optimizer) for c in (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion))
+    assert all(map(callable, (clone_tensors_for_torch_save, convert_zero_checkpoint_to_fp32_state_dict,
+                              get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint)))
+
+
+def test_clone_tensors_for_torch_save_copies_views_into_their_own_storage(standin_deepspeed):
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    flat = torch.arange(10.0)
+    state = {"a": flat[:4].view(2, 2), "nested": [flat[4:]], "step": 3}
+    copied = clone_tensors_for_torch_save(state)
+    assert torch.equal(copied["a"], state["a"]) and copied["step"] == 3
+    assert copied["a"].untyped_storage().nbytes() == 4 * 4  # not the whole flat buffer
+    assert copied["nested"][0].data_ptr() != flat[4:].data_ptr()
+
+
+def test_zero_init_accepts_a_config_that_still_holds_auto(standin_deepspeed):
+    config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
+    with standin_deepspeed.zero.Init(config_dict_or_path=config):
+        layer = torch.nn.Linear(4, 4)
+    assert layer.weight.is_meta  # deferred until initialize shards it
+
+
+def test_what_zerotrain_lacks_is_refused_by_name(standin_deepspeed):
+    from deepspeed.utils import set_z3_leaf_modules
+
+    with pytest.raises(NotImplementedError, match="Tensor parallelism .* not supported by zerotrain"):
+        standin_deepspeed.tp_model_init(model=None, tp_size=2, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="Mixture-of-experts"):
+        set_z3_leaf_modules(None, [])
+
+
+def test_accelerate_refuses_deepspeed_tensor_parallelism_with_its_own_error(standin_deepspeed):
+    from accelerate.utils import compare_versions
+
+    # Accelerate asks for deepspeed >= 0.16.4 before DeepSpeed's AutoTP and >= 0.18.2 for Ulysses
+    assert not compare_versions("deepspeed", ">=", "0.16.4")
+    assert compare_versions("deepspeed", ">=", "0.9.3")  # its (and transformers') minimum
