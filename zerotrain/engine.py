@@ -124,6 +124,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._inside_no_sync = False
+        self._client_optimizer_missing = client_optimizer is None
         self.timers = WallClockBreakdown(config.wall_clock_breakdown, device)
         # Checkpoint calls meet on a Gloo group with a timeout; creating a group is itself a
         # collective, so it happens here, where every rank is, not in the first save.
@@ -143,10 +144,9 @@ class Engine(DeepSpeedAccessors, nn.Module):
             return lambda groups: cls(groups, **defaults)
         opt = self.parsed_config.optimizer
         if opt is None:
-            raise ValueError(
-                "no optimizer: pass one to zerotrain.initialize(optimizer=...) or add an "
-                '"optimizer": {"type": "AdamW", "params": {"lr": ...}} section to the config'
-            )
+            # As DeepSpeed, an engine without an optimizer serves forward passes only (the HF
+            # Trainer's evaluate()/predict() at ZeRO-3 without train()); step() says why it cannot.
+            return lambda groups: torch.optim.SGD(groups, lr=0.0)
         return lambda groups: build_optimizer(opt.type, dict(opt.params), groups)
 
     def _make_scheduler(self, client_scheduler):
@@ -209,6 +209,11 @@ class Engine(DeepSpeedAccessors, nn.Module):
     def _step(self) -> None:
         self._step_applied = False  # until this call updates the weights (was_step_applied)
         if self.is_gradient_accumulation_boundary():
+            if self._client_optimizer_missing and self.parsed_config.optimizer is None:
+                raise RuntimeError(
+                    "no optimizer: this engine serves forward passes only; pass one to zerotrain.initialize("
+                    'optimizer=...) or add an "optimizer": {"type": "AdamW", "params": {"lr": ...}} section to the config'
+                )
             if self._inside_no_sync:
                 raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): leave no_sync first")
             if self.reducer.unreduced:

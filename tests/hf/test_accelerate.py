@@ -36,12 +36,13 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[dict, dict]:
-    """One process, plain torch (no Accelerate, no stand-in), the whole global batch per step."""
+def reference(tmp_path_factory) -> tuple[dict, dict, Path]:
+    """One process, plain torch (no Accelerate, no stand-in), the whole global batch per step;
+    it also saves the initial model every job loads."""
     out = tmp_path_factory.mktemp("reference")
-    proc = _run([sys.executable, str(JOB), str(out), "--reference"], cwd=out)
+    proc = _run([sys.executable, str(JOB), str(out), str(out / "initial"), "--reference"], cwd=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "result.json").read_text()), load_file(out / "weights.safetensors")
+    return json.loads((out / "result.json").read_text()), load_file(out / "weights.safetensors"), out / "initial"
 
 
 def _accelerate_launch(tmp_path: Path, config: str, script: Path = JOB, *script_args: str) -> subprocess.CompletedProcess:
@@ -58,14 +59,15 @@ def test_deepspeed_is_not_installed_in_the_test_environment():
     "config", ["zero1.yaml", "zero2.yaml", "zero3_offload.yaml", "config_file.yaml"],
 )
 def test_accelerate_config_trains_like_one_process_and_restores_its_state(tmp_path, reference, config):
-    expected, expected_weights = reference
+    expected, expected_weights, model_dir = reference
     out = tmp_path / "out"
-    proc = _accelerate_launch(tmp_path, config, JOB, str(out))
+    proc = _accelerate_launch(tmp_path, config, JOB, str(out), str(model_dir))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads((out / "result.json").read_text())
     # Accelerate on a GPU-less machine sees both ranks (not two processes that each think they are alone)
     assert result["num_processes"] == 2
     assert result["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert result["partitioned_at_load"] == (config == "zero3_offload.yaml")  # zero3_init_flag: zero.Init
     assert result["losses"] == pytest.approx(expected["losses"], abs=1e-5)
     half = len(result["losses"]) // 2
     assert result["replayed"] == pytest.approx(result["losses"][half:], abs=1e-6), "load_state did not restore"
