@@ -23,7 +23,9 @@ broke; ``python`` blocks are examples of the API and are not run):
   fragment with none of the three batch-size keys gets ``train_micro_batch_size_per_gpu: 1`` first.
   A block with ``"auto"`` values is left to whoever fills them (a ``zerotrain train`` config naming it
   resolves it below).  Show JSON that is not a DeepSpeed config in a ``text`` block.
-- **YAML blocks** are ``zerotrain train`` configs: loaded with ``load_train_config`` and their DeepSpeed
+- **YAML blocks** with a ``distributed_type`` key are ``accelerate config`` files, read by Accelerate's
+  own ``ClusterConfig.from_yaml_file``.  Other **YAML blocks** are ``zerotrain train`` configs: loaded
+  with ``load_train_config`` and their DeepSpeed
   section resolved as the trainer does (``build_engine_config``, 2 ranks, on a CPU).  A block without
   a ``model`` section is a fragment: it is checked as a layer over the built-in default config.
 - **Named blocks**: a block whose first line is a comment naming a file (``# base.yaml``,
@@ -249,6 +251,8 @@ def check_synopsis(command: Command, words: list[str]) -> None:
     path, rest = split_subcommand(words)
     if not path:
         pytest.fail(f"{command}\n  no such zerotrain subcommand: {words[:1]}", pytrace=False)
+    if path == ("run",):
+        rest = []  # `zerotrain run COMMAND ...`: every flag after it is COMMAND's
     flags = [name.split("=", 1)[0] for word in rest for name in word.strip("[]").split("|") if name.startswith("-")]
     for flag in flags:
         if path == ("train",):
@@ -361,6 +365,15 @@ def test_documented_train_config_is_valid(block: Block, tmp_path: Path):
     if not isinstance(data, dict):
         pytest.fail(f"{where}: a ```yaml block must be a zerotrain train config (a mapping)", pytrace=False)
     path = block_path(block, tmp_path, ".yaml")
+    if "distributed_type" in data:  # an `accelerate config` file (docs/huggingface.md): Accelerate reads it
+        from accelerate.commands.config.config_args import ClusterConfig
+
+        path.write_text(block.text, encoding="utf-8")
+        try:
+            ClusterConfig.from_yaml_file(str(path))
+        except Exception as error:  # noqa: BLE001
+            pytest.fail(f"{where}: Accelerate cannot read this config:\n{error}", pytrace=False)
+        return
     if "model" not in data and "inherit" not in data:
         # A fragment: the same keys as a layer over the built-in default.
         path.write_text(yaml.safe_dump({"inherit": [str(DEFAULT_CONFIG_PATH)], **data}), encoding="utf-8")

@@ -31,7 +31,8 @@ RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
     # step behind HF's linear schedule (lr 0 for two steps), in DeepSpeed as in zerotrain.
     "ddp-warmup-decay": ("torchrun", ("--use_cpu", "--deepspeed_warmup_decay")),
     "zero1": ("run-torchrun", ("--deepspeed", "zero1.json")),
-    "zero2": ("launch", ("--deepspeed", "zero2.json", "--save_model_to", "zero2/final")),
+    "zero2": ("launch", ("--deepspeed", "zero2.json", "--save_model_to", "zero2/final",
+                         "--save_strategy", "steps", "--save_steps", "4")),
     "zero2-offload": ("launch", ("--deepspeed", "zero2-offload.json")),
     "zero3": ("launch", ("--deepspeed", "zero3.json", "--save_model_to", "zero3/final", "--generate")),
     "zero3-optim-sched": ("launch", ("--deepspeed", "zero3-optim-sched.json",
@@ -40,8 +41,12 @@ RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
     # 2 ranks x 2 x 4 accumulated: the same 16 sequences a step as 2 x 8 x 1
     "zero2-accumulate": ("launch", ("--deepspeed", "zero2.json", "--per_device_train_batch_size", "2",
                                     "--gradient_accumulation_steps", "4")),
-    "zero3-resumed": ("launch", ("--deepspeed", "zero3-optim-sched.json",
-                                 "--resume_from_checkpoint", "zero3-optim-sched/checkpoint-4")),
+    "zero3-accumulate": ("launch", ("--deepspeed", "zero3.json", "--per_device_train_batch_size", "2",
+                                    "--gradient_accumulation_steps", "4")),
+    # the engine restores the optimizer and a config's scheduler; the Trainer its own scheduler
+    "zero3-optim-sched-resumed": ("launch", ("--deepspeed", "zero3-optim-sched.json",
+                                             "--resume_from_checkpoint", "zero3-optim-sched/checkpoint-4")),
+    "zero2-resumed": ("launch", ("--deepspeed", "zero2.json", "--resume_from_checkpoint", "zero2/checkpoint-4")),
     "zero3-eval-only": ("launch", ("--deepspeed", "zero3.json", "--eval_only")),
 }
 
@@ -86,19 +91,21 @@ def test_trainer_with_a_deepspeed_config_trains_like_the_trainers_own_ddp(jobs, 
     assert_losses_match(run.losses, trained(jobs, reference).losses, f"{name} vs {reference}")
 
 
-def test_gradient_accumulation_steps_train_like_a_bigger_micro_batch(jobs):
-    whole, accumulated = trained(jobs, "zero2"), trained(jobs, "zero2-accumulate")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_accumulation_steps_train_like_a_bigger_micro_batch(jobs, stage):
+    whole, accumulated = trained(jobs, f"zero{stage}"), trained(jobs, f"zero{stage}-accumulate")
     assert_losses_match(accumulated.losses, whole.losses, "2 x 4 accumulated vs 8 x 1")
     assert_losses_match(accumulated.losses, trained(jobs, "ddp").losses, "2 x 4 accumulated vs DDP 8 x 1")
 
 
-def test_resuming_from_a_step_4_checkpoint_reproduces_steps_5_to_8(jobs):
-    uninterrupted = trained(jobs, "zero3-optim-sched")
+@pytest.mark.parametrize("name", ["zero3-optim-sched", "zero2"])
+def test_resuming_from_a_step_4_checkpoint_reproduces_steps_5_to_8(jobs, name):
+    uninterrupted = trained(jobs, name)
     checkpoint = uninterrupted.output_dir / "checkpoint-4"
     assert (checkpoint / "global_step4").is_dir(), sorted(p.name for p in checkpoint.iterdir())
     assert (checkpoint / "latest").read_text().strip() == "global_step4"
 
-    resumed = trained(jobs, "zero3-resumed")
+    resumed = trained(jobs, f"{name}-resumed")
     later = [(s, loss) for s, loss in zip(resumed.result["steps"], resumed.losses) if s > 4]
     assert [s for s, _ in later] == [5, 6, 7, 8]
     assert_losses_match([loss for _, loss in later], uninterrupted.losses[4:], "resumed steps 5-8")

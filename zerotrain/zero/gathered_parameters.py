@@ -42,8 +42,15 @@ class GatheredParameters:
     """Context manager gathering partitioned parameters; with `modifier_rank`, its edits persist."""
 
     def __init__(
-        self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None, enabled: bool = True
+        self,
+        params: nn.Parameter | Iterable[nn.Parameter],
+        modifier_rank: int | None = None,
+        fwd_module: nn.Module | None = None,
+        enabled: bool = True,
     ):
+        """`fwd_module` is DeepSpeed's (it registers the parameters as external to that module's
+        forward); zerotrain accepts it and has nothing to do with it here: use
+        `register_external_parameter` for that."""
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         # None entries are skipped: transformers passes `lm_head.bias` whether or not there is one.
         self.params = [p for p in params if p is not None] if enabled else []
