@@ -259,3 +259,32 @@ def test_peak_memory_without_init_holds_the_whole_model():
         report = {k: f"{v / MiB:.1f} MiB" for k, v in r.items()}
         assert r["built"] >= r["model"], report
         assert r["sharded"] >= r["model"], report
+
+
+def _adapter_added_after_init(stage: int) -> dict:
+    import zerotrain
+    from zerotrain.distributed import init_distributed
+
+    rank = init_distributed().rank
+    with zerotrain.zero.Init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    # A layer attached after the build (as PEFT adds adapters), and a frozen one: real tensors,
+    # different on each rank; rank 0's must survive initialize.
+    torch.manual_seed(100 + rank)
+    model.append(nn.Linear(4, 4))
+    model.append(nn.Linear(4, 2).requires_grad_(False))
+    added = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(("2.", "3."))}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    return {"added": added, "after": {n: t for n, t in _gathered(engine).items() if n in added}}
+
+
+def test_parameters_added_after_a_zero_init_build_keep_rank0s_values():
+    for stage in (2, 3):
+        ranks = run_on_ranks(2, _adapter_added_after_init, stage)
+        assert not torch.equal(ranks[0]["added"]["2.weight"], ranks[1]["added"]["2.weight"])
+        for result in ranks:
+            assert result["after"].keys() == ranks[0]["added"].keys()
+            for name, value in ranks[0]["added"].items():
+                assert torch.equal(result["after"][name], value), (stage, name)

@@ -183,6 +183,14 @@ class Materializer:
         self.journals = list({id(j): j for j in journals if j is not None}.values())
         self.calls = self._calls_by_module()
         self.done: set[int] = set()
+        # Parameters added to the model after it was built under Init (PEFT adapters, layers a
+        # script attaches before initialize) hold values: deferred here like the others, their
+        # values kept and written back (rank 0's) when their unit is materialized.
+        self.real_values: dict[int, torch.Tensor] = {}
+        for param in model.parameters():
+            if not param.is_meta:
+                self.real_values[id(param)] = param.detach().to(self.device, copy=True)
+                replace_tensor(param, param.detach().to("meta"))
 
     def _calls_by_module(self) -> dict[int, list[tuple[int, torch.Tensor, InitCall]]]:
         """id(module) -> [(order, generator state, call)]: rank 0's states, so every rank draws alike."""
@@ -272,7 +280,7 @@ class Materializer:
             for m, params in originals.items():
                 m._parameters.clear()
                 m._parameters.update(params)
-        written = self._write_stored_values(self.owned[i])
+        written = self._write_stored_values(self.owned[i]) | self._write_real_values(self.owned[i])
         for m in modules:
             kept = m.__dict__.get(_KEPT, {})
             if id(m) not in self.calls:
@@ -284,6 +292,21 @@ class Materializer:
                 "Hugging Face model) and were too large to keep from __init__: they start as zeros",
                 stacklevel=4,
             )
+
+    def _write_real_values(self, params: list[nn.Parameter]) -> set[int]:
+        """Parameters that were never deferred get back the values they had (rank 0's, as
+        `initialize` gives a model built without Init); in the same order on every rank."""
+        written: set[int] = set()
+        with torch.no_grad():
+            for p in params:
+                value = self.real_values.pop(id(p), None)
+                if value is None:
+                    continue
+                if self.world > 1:
+                    zdist.broadcast(value, 0, "init")
+                p.copy_(value)
+                written.add(id(p))
+        return written
 
     def _write_stored_values(self, params: list[nn.Parameter]) -> set[int]:
         """Values written before `initialize` (a checkpoint loaded under ZeRO-3, see
