@@ -91,9 +91,20 @@ class TrainerJobs:
         self._runs: dict[str, TrainerRun] = {}
 
     def env(self) -> dict[str, str]:
+        """This environment with the venv's bin/ first on PATH and no stand-in: only `zerotrain`
+        may bring it (a test that activated it in this process must not reach the DDP reference)."""
+        from zerotrain.deepspeed_standin import ACTIVE_ENV, COMMANDS_DIR, PYTHON_ENV, STANDIN_DIR
+
+        def entries(name: str, drop: Path) -> list[str]:
+            return [p for p in os.environ.get(name, "").split(os.pathsep) if p and Path(p) != drop]
+
         venv_bin = str(Path(sys.executable).parent)
-        path = os.pathsep.join([venv_bin, *(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)])
-        return {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {k: v for k, v in os.environ.items() if k not in (ACTIVE_ENV, PYTHON_ENV)}
+        env["PATH"] = os.pathsep.join([venv_bin, *(p for p in entries("PATH", COMMANDS_DIR) if p != venv_bin)])
+        env["PYTHONPATH"] = os.pathsep.join(entries("PYTHONPATH", STANDIN_DIR))
+        if not env["PYTHONPATH"]:
+            del env["PYTHONPATH"]
+        return {**env, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     def launcher(self, how: str) -> list[str]:
         """The command that starts the script on 2 ranks: 'launch', 'run-torchrun' or 'torchrun' (no stand-in)."""
@@ -122,8 +133,7 @@ class TrainerJobs:
         """Runs the job once per `name` (later calls return the first run); it must succeed."""
         if name not in self._runs:
             done = self.start(name, *args, how=how)
-            assert done.process.returncode == 0, (
-                f"{name}: exit {done.process.returncode}\n{done.process.stdout[-3000:]}\n{done.process.stderr[-6000:]}"
-            )
+            out, err = done.process.stdout[-3000:], done.process.stderr[-6000:]
+            assert done.process.returncode == 0, f"{name}: exit {done.process.returncode}\n{out}\n{err}"
             self._runs[name] = done
         return self._runs[name]

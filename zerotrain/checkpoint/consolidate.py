@@ -34,7 +34,7 @@ _SIZE_UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**
 
 # The reader maps shard files, and pages read through a map count as this process's memory
 # until it is unmapped: closing the reader every so many bytes keeps them out of the peak.
-_UNMAP_EVERY_BYTES = 64 * 2**20
+UNMAP_EVERY_BYTES = 64 * 2**20
 
 # progress(tensors_done, tensors_total, bytes_done, bytes_total), called after each tensor is read.
 ProgressCallback = Callable[[int, int, int, int], None]
@@ -68,7 +68,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class _PlannedTensor:
+class PlannedTensor:
     name: str  # as written
     source: str  # as stored in the checkpoint
     shape: tuple[int, ...]
@@ -91,22 +91,22 @@ def _stored_dtype(reader: CheckpointReader, name: str, text: str) -> torch.dtype
     return dtype
 
 
-def _plan_tensors(reader: CheckpointReader, dtype: torch.dtype, rename: dict[str, str]) -> list[_PlannedTensor]:
+def plan_tensors(reader: CheckpointReader, dtype: torch.dtype, rename: dict[str, str]) -> list[PlannedTensor]:
     planned = [
-        _PlannedTensor(rename.get(name, name), name, tuple(info["shape"]), dtype, True)
+        PlannedTensor(rename.get(name, name), name, tuple(info["shape"]), dtype, True)
         for name, info in reader.params.items()
     ]
     for name, info in reader.module_entries.items():
         stored = _stored_dtype(reader, name, info["dtype"])
         # Integer and bool buffers (step counters, masks) keep their type; only floats are cast.
         out_dtype = dtype if stored.is_floating_point else stored
-        planned.append(_PlannedTensor(rename.get(name, name), name, tuple(info["shape"]), out_dtype, False))
+        planned.append(PlannedTensor(rename.get(name, name), name, tuple(info["shape"]), out_dtype, False))
     return planned
 
 
-def _split_into_shards(tensors: list[_PlannedTensor], max_bytes: int) -> list[list[_PlannedTensor]]:
+def split_into_shards(tensors: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
     """Hugging Face's rule: fill a shard in order; a tensor larger than the limit gets a shard of its own."""
-    shards: list[list[_PlannedTensor]] = [[]]
+    shards: list[list[PlannedTensor]] = [[]]
     size = 0
     for t in tensors:
         if shards[-1] and size + t.nbytes > max_bytes:
@@ -117,19 +117,19 @@ def _split_into_shards(tensors: list[_PlannedTensor], max_bytes: int) -> list[li
     return shards
 
 
-def _read_tensors(reader: CheckpointReader, planned: list[_PlannedTensor]):
-    """Yields (planned, tensor) one at a time, unmapping the input files every _UNMAP_EVERY_BYTES."""
+def read_tensors(reader: CheckpointReader, planned: list[PlannedTensor]):
+    """Yields (planned, tensor) one at a time, unmapping the input files every UNMAP_EVERY_BYTES."""
     mapped = 0
     for t in planned:
-        yield t, _read_tensor(reader, t)
+        yield t, read_tensor(reader, t)
         mapped += t.nbytes  # bytes written, which track the bytes read closely enough
-        if mapped >= _UNMAP_EVERY_BYTES:
+        if mapped >= UNMAP_EVERY_BYTES:
             reader.close()
             mapped = 0
     reader.close()
 
 
-def _read_tensor(reader: CheckpointReader, t: _PlannedTensor) -> torch.Tensor:
+def read_tensor(reader: CheckpointReader, t: PlannedTensor) -> torch.Tensor:
     tensor = reader.read_param(MASTER, t.source) if t.trainable else reader.read_module(t.source)
     if tuple(tensor.shape) != t.shape:
         raise CheckpointError(
@@ -148,9 +148,15 @@ def open_checkpoint_reader(checkpoint_dir: str | Path, tag: str | None) -> Check
     return CheckpointReader(path, tag)
 
 
+TORCH_SAVE_SUFFIXES = (".bin", ".pt", ".pth")
+"""Weights file names written with `torch.save` of plain tensors (DeepSpeed's pytorch_model.bin);
+any other name is safetensors."""
+
+
 def _output_names(output: Path) -> tuple[Path, str]:
-    """(directory, single-file name): OUTPUT is a directory, or a file name ending in .safetensors."""
-    if output.suffix == ".safetensors":
+    """(directory, single-file name): OUTPUT is a directory, or a file name ending in .safetensors
+    (or .bin/.pt/.pth, written with torch.save)."""
+    if output.suffix in (".safetensors", *TORCH_SAVE_SUFFIXES):
         return output.parent, output.name
     return output, WEIGHTS_NAME
 
@@ -164,8 +170,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def _remove_stale_weights(directory: Path, file_name: str, written: list[Path]) -> None:
     # An old sharded export next to a new single file (or the reverse) would be loaded instead of it.
-    stem = file_name.removesuffix(".safetensors")
-    pattern = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.safetensors(\.index\.json)?")
+    stem, suffix = os.path.splitext(file_name)
+    pattern = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(suffix)}(\.index\.json)?")
     for path in directory.iterdir():
         if pattern.fullmatch(path.name) and path not in written:
             path.unlink()
@@ -179,28 +185,33 @@ def write_consolidated_weights(
     progress: ProgressCallback | None,
     rename: dict[str, str] | None = None,
 ) -> list[Path]:
-    """`consolidate` on an open reader (shared by the Hugging Face export); `rename` maps stored to written names."""
+    """`consolidate` on an open reader (shared by the Hugging Face export and zero_to_fp32);
+    `rename` maps stored to written names. The file name's suffix picks the format (see
+    TORCH_SAVE_SUFFIXES); above `max_bytes`, numbered shards plus an index."""
     directory, file_name = _output_names(output)
+    stem, suffix = os.path.splitext(file_name)
     directory.mkdir(parents=True, exist_ok=True)
-    planned = _plan_tensors(reader, dtype, rename or {})
-    shards = _split_into_shards(planned, max_bytes)
+    planned = plan_tensors(reader, dtype, rename or {})
+    shards = split_into_shards(planned, max_bytes)
     total_bytes = sum(t.nbytes for t in planned)
     if len(shards) == 1:
         names = [file_name]
     else:
-        stem = file_name.removesuffix(".safetensors")
-        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
     temps = [directory / f".{name}.tmp-{os.getpid()}" for name in names]
     done_tensors = done_bytes = 0
     try:
         for shard, temp in zip(shards, temps):
             tensors = {}
-            for t, tensor in _read_tensors(reader, shard):
+            for t, tensor in read_tensors(reader, shard):
                 tensors[t.name] = tensor
                 done_tensors, done_bytes = done_tensors + 1, done_bytes + t.nbytes
                 if progress is not None:
                     progress(done_tensors, len(planned), done_bytes, total_bytes)
-            save_file(tensors, str(temp), metadata={"format": "pt"})
+            if suffix in TORCH_SAVE_SUFFIXES:
+                torch.save(tensors, temp)  # plain tensors only: loads with weights_only=True
+            else:
+                save_file(tensors, str(temp), metadata={"format": "pt"})
             os.chmod(temp, default_file_mode())  # save_file creates 0600 files
             del tensors
         written = [directory / name for name in names]
@@ -243,5 +254,5 @@ def consolidate(
 def load_consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's full model in memory: fp32 tensors (integer buffers keep their type), by parameter name."""
     with open_checkpoint_reader(checkpoint_dir, tag) as reader:
-        planned = _plan_tensors(reader, torch.float32, {})
-        return {t.name: tensor for t, tensor in _read_tensors(reader, planned)}
+        planned = plan_tensors(reader, torch.float32, {})
+        return {t.name: tensor for t, tensor in read_tensors(reader, planned)}

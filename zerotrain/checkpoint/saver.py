@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from zerotrain.checkpoint.coordination import Coordinator

@@ -27,10 +27,8 @@ Hugging Face loaders accept.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -39,8 +37,8 @@ from pathlib import Path
 import torch
 
 from zerotrain.checkpoint.consolidate import (
-    _UNMAP_EVERY_BYTES, _plan_tensors, _PlannedTensor, _read_tensor, _read_tensors, _split_into_shards,
-    ProgressCallback, atomic_write_text, open_checkpoint_reader, parse_size, resolve_dtype, write_consolidated_weights,
+    UNMAP_EVERY_BYTES, PlannedTensor, ProgressCallback, open_checkpoint_reader, parse_size, plan_tensors, read_tensor,
+    resolve_dtype, write_consolidated_weights,
 )
 from zerotrain.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from zerotrain.checkpoint.layout import LATEST, META
@@ -134,10 +132,10 @@ class _SharedReader:
         self.reader = reader
         self._mapped = 0
 
-    def read(self, planned: _PlannedTensor) -> torch.Tensor:
-        tensor = _read_tensor(self.reader, planned)
+    def read(self, planned: PlannedTensor) -> torch.Tensor:
+        tensor = read_tensor(self.reader, planned)
         self._mapped += planned.nbytes
-        if self._mapped >= _UNMAP_EVERY_BYTES:  # mapped pages count as this process's memory until unmapped
+        if self._mapped >= UNMAP_EVERY_BYTES:  # mapped pages count as this process's memory until unmapped
             self.reader.close()
             self._mapped = 0
         return tensor
@@ -149,7 +147,7 @@ class LazyCheckpointTensor:
     `shape`, `dtype` and `numel()` are known without reading.
     """
 
-    def __init__(self, source: _SharedReader, planned: _PlannedTensor) -> None:
+    def __init__(self, source: _SharedReader, planned: PlannedTensor) -> None:
         self._source = source
         self._planned = planned
 
@@ -191,7 +189,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     """
     reader = open_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     source = _SharedReader(reader)
-    lazy = {t.name: LazyCheckpointTensor(source, t) for t in _plan_tensors(reader, torch.float32, {})}
+    lazy = {t.name: LazyCheckpointTensor(source, t) for t in plan_tensors(reader, torch.float32, {})}
     if lazy_mode:
         return lazy
     try:
@@ -225,9 +223,7 @@ def convert_zero_checkpoint_to_state_dict(
     target, single_file = _output_target(output_dir, output_file, safe_serialization)
     max_bytes = sys.maxsize if single_file or max_shard_size is None else parse_size(max_shard_size)
     with open_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters) as reader:
-        if target.suffix == ".safetensors":
-            return write_consolidated_weights(reader, target, out_dtype, max_bytes, progress)
-        return write_torch_weights(reader, target, out_dtype, max_bytes, progress)
+        return write_consolidated_weights(reader, target, out_dtype, max_bytes, progress)  # the suffix picks the format
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -277,57 +273,6 @@ def _output_target(output_dir, output_file, safe_serialization: bool) -> tuple[P
             raise ValueError(f"output file {path} is not a .safetensors name, but safetensors was asked for")
         return path, True
     return path / (SAFE_WEIGHTS_NAME if safe_serialization else BIN_WEIGHTS_NAME), False
-
-
-def write_torch_weights(
-    reader: CheckpointReader, target: Path, dtype: torch.dtype, max_bytes: int, progress: ProgressCallback | None
-) -> list[Path]:
-    """`torch.save` of plain tensors to `target`, split into numbered shards plus an index above `max_bytes`.
-
-    The torch counterpart of consolidate.write_consolidated_weights (same shard rule and index).
-    """
-    directory, stem, suffix = target.parent, target.stem, target.suffix
-    directory.mkdir(parents=True, exist_ok=True)
-    planned = _plan_tensors(reader, dtype, {})
-    shards = _split_into_shards(planned, max_bytes)
-    total_bytes = sum(t.nbytes for t in planned)
-    names = [target.name] if len(shards) == 1 else [
-        f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))
-    ]
-    temps = [directory / f".{name}.tmp-{os.getpid()}" for name in names]
-    done_tensors = done_bytes = 0
-    try:
-        for shard, temp in zip(shards, temps):
-            tensors = {}
-            for t, tensor in _read_tensors(reader, shard):
-                tensors[t.name] = tensor
-                done_tensors, done_bytes = done_tensors + 1, done_bytes + t.nbytes
-                if progress is not None:
-                    progress(done_tensors, len(planned), done_bytes, total_bytes)
-            torch.save(tensors, temp)
-            del tensors
-        written = [directory / name for name in names]
-        for temp, path in zip(temps, written):
-            os.replace(temp, path)
-    finally:
-        for temp in temps:
-            temp.unlink(missing_ok=True)
-    if len(shards) > 1:
-        weight_map = {t.name: name for shard, name in zip(shards, names) for t in shard}
-        written.append(directory / f"{target.name}.index.json")
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        atomic_write_text(written[-1], json.dumps(index, indent=2, sort_keys=True) + "\n")
-    _remove_stale_torch_weights(directory, target.name, written)
-    return written
-
-
-def _remove_stale_torch_weights(directory: Path, file_name: str, written: list[Path]) -> None:
-    # An old sharded export beside a new single file (or the reverse) would be loaded instead of it.
-    stem, suffix = os.path.splitext(file_name)
-    pattern = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(suffix)}(\.index\.json)?")
-    for path in directory.iterdir():
-        if pattern.fullmatch(path.name) and path not in written:
-            path.unlink()
 
 
 # --- the script -----------------------------------------------------------------------------------
