@@ -81,3 +81,18 @@ def test_launch_module_that_does_not_exist_says_where_it_looked(zerotrain_cli):
     proc = zerotrain_cli("launch", "--module", "no_such_package_xyz.main")
     assert proc.returncode == 2
     assert "no_such_package_xyz" in proc.stderr and str(zerotrain_cli.cwd) in proc.stderr
+
+
+def test_normal_install_ships_the_deepspeed_standin(normal_install, tmp_path):
+    zerotrain = normal_install / "bin" / "zerotrain"
+    probe = ("import deepspeed, importlib.metadata, shutil; "
+             "print(deepspeed.__file__, importlib.metadata.version('deepspeed'), shutil.which('deepspeed'))")
+    import os
+
+    env_path = f"{normal_install / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"  # as in the activated venv
+    proc = subprocess.run([str(zerotrain), "run", "python", "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PATH": env_path}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    module, version, command = proc.stdout.split()
+    assert module.startswith(str(normal_install)) and version == "0.14.5"
+    assert os.access(command, os.X_OK) and command.startswith(str(normal_install))

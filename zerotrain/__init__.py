@@ -3,7 +3,7 @@
 from typing import Any
 
 from zerotrain.api import add_config_arguments, initialize
-from zerotrain.distributed import init_distributed
+from zerotrain.compat.comm import init_distributed  # DeepSpeed's signature (dist_backend=, timeout=, ...)
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "__version__"]

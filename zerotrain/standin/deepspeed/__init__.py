@@ -13,7 +13,7 @@ except ModuleNotFoundError:
         f"({sys.executable}): run the command with the Python zerotrain is installed in (activate its venv)"
     ) from None
 
-from zerotrain import add_config_arguments, initialize, init_distributed
+from zerotrain import add_config_arguments, init_distributed, initialize
 from zerotrain.deepspeed_standin import VERSION as __version__
 from zerotrain.engine import Engine as DeepSpeedEngine
 from zerotrain.compat.unsupported_features import tp_model_init
