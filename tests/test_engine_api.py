@@ -121,6 +121,28 @@ def test_client_scheduler_drives_the_rebuilt_optimizer():
     assert engine.get_lr()[0] == pytest.approx(0.1 * 0.5**3)
 
 
+def test_a_scheduler_factory_gets_the_torch_optimizer():
+    # the HF Trainer hands its schedule over as a factory when the config has only an optimizer section
+    engine, _, _, sched = zerotrain.initialize(
+        model=_model(), lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step),
+        config=_config(),
+    )
+    assert isinstance(sched.optimizer, torch.optim.Optimizer)
+    _train(engine, 2)
+    assert engine.get_lr()[0] == pytest.approx(_config()["optimizer"]["params"]["lr"] * 0.5**2)
+
+
+def test_an_engine_without_optimizer_serves_forward_and_refuses_to_step():
+    cfg = _config()
+    del cfg["optimizer"]
+    engine, *_ = zerotrain.initialize(model=_model(), config=cfg)  # as DeepSpeed: inference only
+    x, y = _batch(0)
+    loss = nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="no optimizer: this engine serves forward passes only"):
+        engine.step()
+
+
 def test_optimizer_in_config_and_argument_is_an_error():
     model = _model()
     with pytest.raises(ConfigError, match="use one of the two"):
