@@ -155,3 +155,20 @@ def standin_deepspeed(monkeypatch):
     yield importlib.import_module("deepspeed")
     for name in [n for n in sys.modules if n.split(".")[0] == "deepspeed" and n not in before]:
         del sys.modules[name]
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The environment of a user whose venv is activated: this venv's bin/ first on PATH (python,
+    torchrun, accelerate are its own), one thread per rank, and no `deepspeed` stand-in: only a
+    `zerotrain` command may bring it in (a test that activated it in-process must not leak it)."""
+    from zerotrain.deepspeed_standin import ACTIVE_ENV, COMMANDS_DIR, PYTHON_ENV, STANDIN_DIR
+
+    def entries(name: str, drop: Path) -> list[str]:
+        return [p for p in os.environ.get(name, "").split(os.pathsep) if p and Path(p) != drop]
+
+    venv_bin = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if k not in (ACTIVE_ENV, PYTHON_ENV, "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join([venv_bin, *(p for p in entries("PATH", COMMANDS_DIR) if p != venv_bin)])
+    if entries("PYTHONPATH", STANDIN_DIR):
+        env["PYTHONPATH"] = os.pathsep.join(entries("PYTHONPATH", STANDIN_DIR))
+    return {**env, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **extra}

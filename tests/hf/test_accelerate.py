@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,20 +18,14 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import FIXTURES, zerotrain_script
+from conftest import FIXTURES, user_env, zerotrain_script
 
 JOB = FIXTURES / "scripts" / "accelerate_job.py"
 CONFIGS = FIXTURES / "configs" / "accelerate"
 
 
-def _env() -> dict[str, str]:
-    # the venv's python, accelerate and torchrun first, as in an activated venv
-    bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
-
-
 def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

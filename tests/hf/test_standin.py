@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import zerotrain_script
+from conftest import user_env, zerotrain_script
 
 STANDIN = Path(__file__).resolve().parents[2] / "zerotrain" / "standin"
 
@@ -22,13 +21,8 @@ print(json.dumps({"file": deepspeed.__file__, "version": importlib.metadata.vers
 """
 
 
-def _env(**extra: str) -> dict[str, str]:
-    bin_dir = str(Path(sys.executable).parent)  # the venv's python first, as in an activated venv
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1", **extra}
-
-
 def _zerotrain(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([zerotrain_script(), *args], cwd=cwd, env=env or _env(), capture_output=True, text=True,
+    return subprocess.run([zerotrain_script(), *args], cwd=cwd, env=env or user_env(), capture_output=True, text=True,
                           timeout=240)
 
 
@@ -54,7 +48,7 @@ def test_zerotrain_run_makes_deepspeed_the_standin_with_metadata_and_command(tmp
 
 
 def test_a_real_deepspeed_beside_zerotrain_is_shadowed_under_run_and_untouched_outside(tmp_path, real_deepspeed):
-    env = _env(PYTHONPATH=str(real_deepspeed))
+    env = user_env(PYTHONPATH=str(real_deepspeed))
     proc = _zerotrain("run", "python", "-c", PROBE, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["version"] == "0.14.5"
@@ -67,7 +61,7 @@ def test_a_real_deepspeed_beside_zerotrain_is_shadowed_under_run_and_untouched_o
 def test_importing_zerotrain_changes_nothing_about_deepspeed(tmp_path):
     code = ("import importlib.util, sys; before = list(sys.path); import zerotrain, zerotrain.engine; "
             "print(importlib.util.find_spec('deepspeed') is None and sys.path == before)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=user_env(), capture_output=True, text=True)
     assert proc.stdout.strip() == "True", proc.stderr
 
 

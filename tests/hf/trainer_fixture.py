@@ -10,7 +10,6 @@ Commands are found in the venv's bin/ (first on PATH), as after `source .venv/bi
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import FIXTURES, _free_port, zerotrain_script
+from conftest import FIXTURES, _free_port, user_env, zerotrain_script
 
 JOB_SCRIPT = FIXTURES / "scripts" / "hf_trainer_job.py"
 CONFIGS = FIXTURES / "configs" / "hf"
@@ -90,22 +89,6 @@ class TrainerJobs:
         self.model_dir = save_tiny_llama(workdir / "tiny-llama")
         self._runs: dict[str, TrainerRun] = {}
 
-    def env(self) -> dict[str, str]:
-        """This environment with the venv's bin/ first on PATH and no stand-in: only `zerotrain`
-        may bring it (a test that activated it in this process must not reach the DDP reference)."""
-        from zerotrain.deepspeed_standin import ACTIVE_ENV, COMMANDS_DIR, PYTHON_ENV, STANDIN_DIR
-
-        def entries(name: str, drop: Path) -> list[str]:
-            return [p for p in os.environ.get(name, "").split(os.pathsep) if p and Path(p) != drop]
-
-        venv_bin = str(Path(sys.executable).parent)
-        env = {k: v for k, v in os.environ.items() if k not in (ACTIVE_ENV, PYTHON_ENV)}
-        env["PATH"] = os.pathsep.join([venv_bin, *(p for p in entries("PATH", COMMANDS_DIR) if p != venv_bin)])
-        env["PYTHONPATH"] = os.pathsep.join(entries("PYTHONPATH", STANDIN_DIR))
-        if not env["PYTHONPATH"]:
-            del env["PYTHONPATH"]
-        return {**env, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
     def launcher(self, how: str) -> list[str]:
         """The command that starts the script on 2 ranks: 'launch', 'run-torchrun' or 'torchrun' (no stand-in)."""
         torchrun = ["torchrun", "--nproc_per_node", str(RANKS), "--master_port", str(_free_port())]
@@ -124,7 +107,7 @@ class TrainerJobs:
         result_file.unlink(missing_ok=True)
         command = [*self.launcher(how), JOB_SCRIPT.name, "--model_dir", self.model_dir.name,
                    "--output_dir", name, "--result", result_file.name, *COMMON_ARGS, *args]
-        process = subprocess.run(command, cwd=self.cwd, env=self.env(), capture_output=True, text=True,
+        process = subprocess.run(command, cwd=self.cwd, env=user_env(), capture_output=True, text=True,
                                  timeout=timeout)
         result = json.loads(result_file.read_text()) if result_file.exists() else {}
         return TrainerRun(result, output_dir, process)
