@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import FIXTURES, user_env, zerotrain_script
+from conftest import FIXTURES, _free_port, user_env, zerotrain_script
 
 JOB = FIXTURES / "scripts" / "accelerate_job.py"
 CONFIGS = FIXTURES / "configs" / "accelerate"
@@ -75,3 +75,29 @@ def test_an_auto_value_accelerate_does_not_fill_gets_accelerates_error(tmp_path)
     assert proc.returncode != 0
     assert "`optimizer.params.betas` not found in kwargs" in proc.stderr
     assert "prepared" not in proc.stdout
+
+
+def test_accelerates_multinode_deepspeed_command_is_a_zerotrain_launch(tmp_path, standin_deepspeed):
+    """Accelerate starts a multi-machine DeepSpeed job by running `deepspeed FLAGS script`; under
+    `zerotrain run` that command is `zerotrain launch`, which must take every flag it is given."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    cwd = tmp_path / "cwd"
+    shutil.copytree(CONFIGS, cwd)
+    (cwd / "train.py").write_text("")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        # what `accelerate launch` does before it runs the command (accelerate/commands/launch.py)
+        args = launch_command_parser().parse_args(["--config_file", "multinode_pdsh.yaml", "train.py", "--lr", "1"])
+        args, defaults, _ = _validate_launch_command(args)
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        args.main_process_port = port = _free_port()  # Accelerate checks the port is free here
+        command, _ = prepare_deepspeed_cmd_env(args)
+    assert command[0] == "deepspeed" and "--no_local_rank" in command and "pdsh" in command
+    proc = _run([zerotrain_script(), "launch", "--dry_run", *command[1:]], cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 nodes, 4 ranks" in proc.stderr and f"master worker-1:{port}" in proc.stderr
+    jobs = [json.loads(line.removeprefix("# stdin: ")) for line in proc.stdout.splitlines() if line.startswith("# stdin:")]
+    assert [(j["host"], j["node_rank"], j["nproc"]) for j in jobs] == [("worker-1", 0, 2), ("worker-2", 1, 2)]
+    assert all(j["target_args"] == ["--lr", "1"] and j["local_rank_arg"] is False for j in jobs)
