@@ -290,7 +290,9 @@ def _tied_on_ranks(save_dir: str) -> dict:
     with GatheredParameters(list(engine.module.parameters())):
         params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     saved = engine.save_16bit_model(save_dir, "pytorch_model.bin")
-    return {"losses": losses, "params": params, "saved": saved, "layout": (engine.global_rank, engine.dp_world_size)}
+    consolidated = engine._zero3_consolidated_16bit_state_dict()  # what Accelerate and the HF Trainer call
+    return {"losses": losses, "params": params, "saved": saved, "layout": (engine.global_rank, engine.dp_world_size),
+            "consolidated": consolidated}
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +325,15 @@ def test_save_16bit_model_at_stage_3_with_the_gather_flag_saves_whole_weights(ti
         assert torch.equal(weights[name], value), name
 
 
+def test_consolidated_16bit_state_dict_is_whole_on_rank_0_and_none_elsewhere(tied_two_ranks):
+    ranks, _ = tied_two_ranks
+    assert ranks[1]["consolidated"] is None
+    whole = ranks[0]["consolidated"]
+    assert whole.keys() == ranks[0]["params"].keys()
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(whole[name], value), name
+
+
 @pytest.mark.parametrize("registered", [("layer",), ("root",)], ids=["root-read-missing", "layer-read-missing"])
 def test_without_registration_a_foreign_weight_is_empty_at_stage_3(registered):
     engine, *_ = zerotrain.initialize(
@@ -352,3 +363,66 @@ def test_register_and_unregister_raise_deepspeeds_errors():
     register_external_parameter(module, param)
     unregister_external_parameter(module, param)
     assert module._external_params == {}
+
+
+# --- what the HF Trainer and Accelerate call on the engine -------------------------------------
+
+
+def test_engine_config_is_the_resolved_config_as_a_dict():
+    engine = _engine(zero_optimization={"stage": 2}, bf16={"enabled": True})
+    assert engine.config["zero_optimization"]["stage"] == 2  # the Trainer reads it like this
+    assert engine.config["train_micro_batch_size_per_gpu"] == 2  # "auto"-style values arrive resolved
+    assert (engine.bfloat16_enabled(), engine.fp16_enabled()) == (True, False)
+    assert engine.zero_gather_16bit_weights_on_model_save() is False
+
+
+def test_unknown_engine_attributes_are_the_modules():
+    model = _model()
+    model.greeting = "hello"
+    model.generate = lambda: "tokens"
+    engine = _engine(model)
+    assert engine.greeting == "hello" and engine.generate() == "tokens"  # as engine.generate(...) with HF models
+    with pytest.raises(AttributeError):
+        engine.no_such_attribute
+
+
+def test_the_caller_can_decide_where_an_accumulation_ends():
+    # Accelerate counts accumulation itself and tells the engine at every backward
+    engine = _engine(train_batch_size=8, train_micro_batch_size_per_gpu=2)
+    assert engine.gradient_accumulation_steps() == 4
+    for boundary in (False, True, True):
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+        engine.step()
+        assert engine.was_step_applied() is boundary
+    assert engine.global_steps == 2
+
+
+def test_backward_without_scaling_by_accumulation_steps():
+    # the HF Trainer divides the loss by the accumulation steps itself and passes scale_wrt_gas=False
+    grads = []
+    for scale_wrt_gas in (True, False):
+        engine = _engine(train_batch_size=8, train_micro_batch_size_per_gpu=2, zero_optimization={"stage": 0})
+        engine.backward(engine(torch.ones(2, 4)).pow(2).mean(), scale_wrt_gas=scale_wrt_gas)
+        grads.append(engine.flat_params[0].ensure_grad_full().clone())
+    torch.testing.assert_close(grads[1], grads[0] * 4)
+
+
+def test_load_checkpoint_of_an_empty_folder_returns_none_none(tmp_path):
+    assert _engine().load_checkpoint(tmp_path) == (None, None)  # the Trainer starts fresh on this
+
+
+def test_save_checkpoint_names_tags_and_writes_latest_and_the_converter_as_deepspeed(tmp_path):
+    engine = _engine()
+    _train(engine, 2)
+    path = engine.save_checkpoint(tmp_path, exclude_frozen_parameters=True)
+    assert path.endswith("global_step2") and (tmp_path / "latest").read_text().strip() == "global_step2"
+    assert (tmp_path / "zero_to_fp32.py").is_file()
+
+
+def test_destroy_removes_the_engines_hooks_from_the_module():
+    model = _model()
+    engine = _engine(model, zero_optimization={"stage": 2})
+    engine.destroy()
+    model(torch.randn(2, 4)).sum().backward()  # plain autograd again: gradients land on the parameters
+    assert all(p.grad is not None for p in model.parameters())
