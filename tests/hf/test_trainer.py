@@ -95,6 +95,7 @@ def test_trainer_with_a_deepspeed_config_trains_like_the_trainers_own_ddp(jobs, 
     assert run.result["deepspeed_module"].startswith(str(STANDIN_DIR)), run.result["deepspeed_module"]
     assert run.result["engine_class"] == "zerotrain.engine.Engine"
     assert run.result["steps"] == list(range(1, STEPS + 1))
+    assert run.result["partitioned_at_load"] == name.startswith("zero3")  # from_pretrained under zero.Init
     assert_losses_match(run.losses, trained(jobs, reference).losses, f"{name} vs {reference}")
 
 
