@@ -13,12 +13,11 @@ import time
 import pytest
 
 from zerotrain.bench.bandwidth import (
-    COLLECTIVES, PairResult, bandwidth_row, bus_factor, bytes_sent_per_rank, collective_bytes, counter_bytes,
-    diagnose_pairs, element_counts, format_size, parse_size, size_list, slowest_pair,
+    COLLECTIVES, MARKER, PairResult, bandwidth_row, bus_factor, bytes_sent_per_rank, collective_bytes, counter_bytes,
+    diagnose_pairs, element_counts, format_bytes, format_size, format_time_us, parse_size, size_list, slowest_pair,
 )
 
 from zerotrain.bench.comm import run_worker
-from zerotrain.bench.comm_worker import MARKER
 
 from conftest import zerotrain_script
 
@@ -86,6 +85,8 @@ def test_sizes_parse_and_step_by_powers():
         "1K", "4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M", "256M", "1G"]
     assert size_list(1024, 8192, factor=2) == [1024, 2048, 4096, 8192]
     assert size_list(1024, 10000) == [1024, 4096, 10000]  # the largest size is always measured
+    assert [format_bytes(b) for b in (100663296, 1536, 768)] == ["96M", "1.5K", "768B"]
+    assert [format_time_us(t) for t in (0.187, 0.0012345, 0.00001234)] == ["187,000", "1234.5", "12.34"]
     for bad in ("0", "-1K", "1T", "lots"):
         with pytest.raises(ValueError, match="cannot read the size"):
             parse_size(bad)

@@ -185,8 +185,7 @@ def test_a_built_in_workload_runs_zerotrain_train_into_the_job_folder(capsys, tm
     assert code == 0 and JobStatus.read(run / "batch-001").state == "finished", log
     node_job = json.loads(log.split("# stdin: ", 1)[1].splitlines()[0])
     assert node_job["module"] and node_job["target"] == "zerotrain" and not node_job["local_rank_arg"]
-    assert node_job["target_args"][:2] == ["train", str(Path("zerotrain").resolve().parent / "x")][:1] + [
-        node_job["target_args"][1]] and node_job["target_args"][1].endswith("llama-125m.yaml")
+    assert node_job["target_args"][0] == "train" and node_job["target_args"][1].endswith("llama-125m.yaml")
     assert node_job["target_args"][2:4] == ["--output.dir", str((run / "batch-001" / "train").resolve())]
     code, err = _bench_in_process(capsys, hostfiles, "--timeout", "60", "--out", tmp_path / "run2",
                                   "--workload", "llama-7t")

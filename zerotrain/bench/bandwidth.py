@@ -29,6 +29,8 @@ import statistics
 from dataclasses import asdict, dataclass
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+MARKER = "ZEROTRAIN_BENCH_COMM"
+"""Starts the worker's result lines (`MARKER KIND JSON`), which reach `bench comm` in the launcher's output."""
 ELEMENT_SIZE = 4
 """Bytes per element: float32, nccl-tests' default type."""
 GB = 1e9
@@ -58,6 +60,21 @@ def format_size(size: int) -> str:
         if size >= _UNITS[unit] and size % _UNITS[unit] == 0:
             return f"{size // _UNITS[unit]}{unit}"
     return f"{size}B"
+
+
+def format_bytes(count: float) -> str:
+    """A byte count for a table: "96M", "1.5K", "768B" (binary units)."""
+    for unit in ("G", "M", "K"):
+        if count >= _UNITS[unit]:
+            value = count / _UNITS[unit]
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return f"{count:.0f}B"
+
+
+def format_time_us(seconds: float) -> str:
+    """Microseconds with nccl-tests' precision: 2 decimals under 100 us, 1 under 10 ms, none above."""
+    us = seconds * 1e6
+    return f"{us:,.0f}" if us >= 10000 else f"{us:.1f}" if us >= 100 else f"{us:.2f}"
 
 
 def size_list(min_size: int, max_size: int, factor: int = 4) -> list[int]:

@@ -34,14 +34,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from zerotrain.bench.bandwidth import (
-    COLLECTIVES, BandwidthRow, PairResult, diagnose_pairs, format_size, parse_size, slowest_pair,
+    COLLECTIVES, MARKER, BandwidthRow, PairResult, diagnose_pairs, format_bytes, format_size, format_time_us,
+    parse_size, slowest_pair,
 )
-from zerotrain.bench.comm_worker import MARKER
 
 _MARKED = re.compile(rf"{MARKER} (start|row|done) (\{{.*\}})\s*$")
 STOP_GRACE_S = 30.0
 """After SIGTERM, the launcher stops every node within this (its own deadline is 25 s)."""
 LAUNCH_FLAGS = ("ssh_args", "ssh_port", "launcher", "launcher_args", "master_addr")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -53,9 +60,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "(one rank per node), to tell a slow link from a slow node. Runs through `zerotrain launch`.")
     add = p.add_argument
     add("hostfile", metavar="HOSTFILE", help="'host slots=N' lines, as zerotrain launch reads")
-    add("--max-size", type=parse_size, default=None, metavar="SIZE",
+    add("--max-size", type=_size, default=None, metavar="SIZE",
         help="largest size, e.g. 256M (default: 1G with GPUs; 64M on CPU-only nodes, where Gloo is slow)")
-    add("--min-size", type=parse_size, default=parse_size("1K"), metavar="SIZE", help="smallest size (default: 1K)")
+    add("--min-size", type=_size, default=parse_size("1K"), metavar="SIZE", help="smallest size (default: 1K)")
     add("--factor", type=int, default=4, choices=[2, 4], help="size step (default: %(default)s)")
     add("--warmup", type=int, default=5, metavar="N", help="untimed calls per size (default: %(default)s)")
     add("--iters", type=int, default=20, metavar="N", help="timed calls per size (default: %(default)s)")
@@ -208,8 +215,8 @@ def print_collective_tables(console: Console, run: WorkerRun, node_count: int) -
         for column in ("size", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "sent/rank", "check"):
             table.add_column(column, justify="left" if column == "check" else "right")
         for row in (r for r in run.rows if r.collective == name):
-            table.add_row(format_size(row.size), f"{row.elements:,}", f"{row.time_s * 1e6:,.1f}",
-                          f"{row.algbw_gbps:.3f}", f"{row.busbw_gbps:.3f}", f"{row.bytes_per_rank:,.0f}", _check(row))
+            table.add_row(format_size(row.size), f"{row.elements:,}", format_time_us(row.time_s),
+                          f"{row.algbw_gbps:.3f}", f"{row.busbw_gbps:.3f}", format_bytes(row.bytes_per_rank), _check(row))
         console.print(table)
 
 
@@ -224,7 +231,7 @@ def print_pair_table(console: Console, pairs: list[PairResult], diagnosis: dict)
     for p in pairs:
         notes = ["[bold]slowest[/]"] if p is worst and len(pairs) > 1 else []
         notes += [f"[red]{escape(p.error)}[/]"] if p.error else []
-        table.add_row(escape(f"{p.nodes[0]} - {p.nodes[1]}"), "-" if p.time_s is None else f"{p.time_s * 1e6:,.1f}",
+        table.add_row(escape(f"{p.nodes[0]} - {p.nodes[1]}"), "-" if p.time_s is None else format_time_us(p.time_s),
                       "-" if p.busbw_gbps is None else f"{p.busbw_gbps:.3f}", "; ".join(notes))
     console.print(table)
     if worst is not None:

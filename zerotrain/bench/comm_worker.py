@@ -26,11 +26,9 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.bench.bandwidth import (
-    COLLECTIVES, DEFAULT_MAX_SIZE_CPU, DEFAULT_MAX_SIZE_GPU, DEFAULT_MIN_SIZE, ELEMENT_SIZE, bandwidth_row,
+    COLLECTIVES, DEFAULT_MAX_SIZE_CPU, DEFAULT_MAX_SIZE_GPU, DEFAULT_MIN_SIZE, ELEMENT_SIZE, MARKER, bandwidth_row,
     collective_bytes, element_counts, parse_size, size_list,
 )
-
-MARKER = "ZEROTRAIN_BENCH_COMM"
 PURPOSE = "bench"
 """The COMM_COUNTER purpose the timed calls are counted under."""
 
