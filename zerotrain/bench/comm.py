@@ -262,6 +262,8 @@ def run_comm(args: argparse.Namespace) -> int:
 
     try:
         nodes = parse_hostfile(args.hostfile)
+        if args.iters < 1 or args.warmup < 0:
+            raise ValueError(f"--iters needs 1 or more and --warmup 0 or more, got {args.iters} and {args.warmup}")
         if args.min_size > (args.max_size or args.min_size):
             raise ValueError(f"--min-size {format_size(args.min_size)} is above --max-size {format_size(args.max_size)}")
     except (HostfileError, OSError, ValueError) as error:
