@@ -16,7 +16,7 @@ import argparse
 import os
 import select
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -39,7 +39,24 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         "is checked (ssh, versions, script, GPUs, ulimits, master port); if a rank fails, every process of "
         "the job on every node is stopped and the first failure is shown.",
     )
-    add = launch.add_argument
+    add_launch_flags(launch)
+    launch.add_argument("script", metavar="SCRIPT", help="training script (or module with --module)")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT")
+    launch.set_defaults(handler=run_launch)
+
+
+def add_launch_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, skip: Collection[str] = ()
+) -> list[argparse.Action]:
+    """Adds `zerotrain launch`'s flags (DeepSpeed's launcher's) to `parser`, but those whose dest is
+    in `skip`; returns their actions (`zerotrain bench run` passes the same flags on to every job)."""
+    actions = []
+
+    def add(*names: str, **options):
+        long_name = next(n for n in names if n.startswith("--"))
+        if options.get("dest", long_name[2:].replace("-", "_")) not in skip:
+            actions.append(parser.add_argument(*names, **options))
+
     add("--num_gpus", "--num_accelerators", "--nproc_per_node", "--nproc-per-node", dest="nproc", type=int,
         default=None, metavar="N",
         help="processes per node (default: every slot of the hostfile, the local GPUs, or 1 without GPUs)")
@@ -79,9 +96,7 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--module", action="store_true", help="run SCRIPT as a module, like 'python -m'")
     add("--no_python", action="store_true", help="run SCRIPT as a program directly, not through python")
     add("--no_local_rank", action="store_true", help="do not pass --local_rank=K to SCRIPT (LOCAL_RANK is still set)")
-    add("script", metavar="SCRIPT", help="training script (or module with --module)")
-    add("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT")
-    launch.set_defaults(handler=run_launch)
+    return actions
 
 
 def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -48,7 +48,7 @@ def test_workload_config_resolves_to_a_llama_of_its_named_size(name):
 def test_workload_target_runs_zerotrain_train_as_a_launched_module(tmp_path):
     target = workload_target("llama-350m", tmp_path / "batch-001")
     assert target == ["--no_local_rank", "--module", "zerotrain", "train", str(workload_config("llama-350m")),
-                      "--output.dir", str(tmp_path / "batch-001" / "train"), "--overwrite"]
+                      "--output.dir", str(tmp_path / "batch-001" / "train")]
     assert Path(target[4]).is_file()
 
 

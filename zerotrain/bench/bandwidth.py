@@ -50,7 +50,8 @@ def parse_size(text: str) -> int:
     """Bytes from "1K", "64M", "1G", "4096" (binary units, as nccl-tests' -b/-e); ValueError if unreadable."""
     found = _SIZE.match(str(text))
     if not found or int(found.group(1)) <= 0:
-        raise ValueError(f"cannot read the size {text!r}: write a positive number of bytes, or with K, M or G (1K = 1024)")
+        raise ValueError(f"cannot read the size {text!r}: write a positive number of bytes, "
+                         "or with K, M or G (1K = 1024)")
     return int(found.group(1)) * _UNITS[found.group(2).upper()]
 
 

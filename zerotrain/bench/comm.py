@@ -216,7 +216,8 @@ def print_collective_tables(console: Console, run: WorkerRun, node_count: int) -
             table.add_column(column, justify="left" if column == "check" else "right")
         for row in (r for r in run.rows if r.collective == name):
             table.add_row(format_size(row.size), f"{row.elements:,}", format_time_us(row.time_s),
-                          f"{row.algbw_gbps:.3f}", f"{row.busbw_gbps:.3f}", format_bytes(row.bytes_per_rank), _check(row))
+                          f"{row.algbw_gbps:.3f}", f"{row.busbw_gbps:.3f}", format_bytes(row.bytes_per_rank),
+                          _check(row))
         console.print(table)
 
 
@@ -240,7 +241,8 @@ def print_pair_table(console: Console, pairs: list[PairResult], diagnosis: dict)
         console.print(f"slowest pair: {escape(' - '.join(worst.nodes))} ({speed}"
                       + (f"; median {median:.3f} GB/s)" if median is not None else ")"))
     if diagnosis["slow_nodes"]:
-        console.print(f"[yellow]slow nodes (every pair they are in is slow): {escape(', '.join(diagnosis['slow_nodes']))}[/]")
+        slow = ", ".join(diagnosis["slow_nodes"])
+        console.print(f"[yellow]slow nodes (every pair they are in is slow): {escape(slow)}[/]")
     if diagnosis["slow_links"]:
         links = ", ".join(" - ".join(link) for link in diagnosis["slow_links"])
         console.print(f"[yellow]slow links: {escape(links)}[/]")
@@ -249,7 +251,8 @@ def print_pair_table(console: Console, pairs: list[PairResult], diagnosis: dict)
 def results_json(hostfile: str, hosts: list[str], run: WorkerRun, pairs: list[PairResult]) -> dict:
     """Everything measured, as `--json FILE` holds it."""
     worst = slowest_pair(pairs)
-    return {"hostfile": str(hostfile), "nodes": hosts, **{k: run.start.get(k) for k in ("ranks", "backend", "device", "capped")},
+    return {"hostfile": str(hostfile), "nodes": hosts,
+            **{k: run.start.get(k) for k in ("ranks", "backend", "device", "capped")},
             "all_nodes": {"rows": [r.as_dict() for r in run.rows], "error": run.error},
             "pairs": [p.as_dict() for p in pairs], "slowest_pair": worst.as_dict() if worst else None,
             "diagnosis": diagnose_pairs(pairs)}
@@ -265,7 +268,8 @@ def run_comm(args: argparse.Namespace) -> int:
         if args.iters < 1 or args.warmup < 0:
             raise ValueError(f"--iters needs 1 or more and --warmup 0 or more, got {args.iters} and {args.warmup}")
         if args.min_size > (args.max_size or args.min_size):
-            raise ValueError(f"--min-size {format_size(args.min_size)} is above --max-size {format_size(args.max_size)}")
+            raise ValueError(f"--min-size {format_size(args.min_size)} is above "
+                             f"--max-size {format_size(args.max_size)}")
     except (HostfileError, OSError, ValueError) as error:
         print_user_error("zerotrain bench comm", error)
         return USAGE_EXIT_CODE

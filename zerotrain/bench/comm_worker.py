@@ -35,7 +35,8 @@ PURPOSE = "bench"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m zerotrain.bench.comm_worker")
-    parser.add_argument("--collectives", default=",".join(COLLECTIVES), help="comma-separated, of " + ", ".join(COLLECTIVES))
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES),
+                        help="comma-separated, of " + ", ".join(COLLECTIVES))
     parser.add_argument("--min-size", type=parse_size, default=DEFAULT_MIN_SIZE)
     parser.add_argument("--max-size", type=parse_size, default=None,
                         help=f"default: 1G with NCCL, {DEFAULT_MAX_SIZE_CPU >> 20}M with Gloo")

@@ -58,12 +58,9 @@ class _JobAfterDoubleDash(argparse.ArgumentParser):
 
 def _launch_flag_actions() -> list[argparse.Action]:
     """`zerotrain launch`'s own flag definitions, less those bench run sets per job."""
-    from zerotrain.cli import _add_launch_parser
+    from zerotrain.cli import add_launch_flags
 
-    subparsers = argparse.ArgumentParser(add_help=False).add_subparsers()
-    _add_launch_parser(subparsers)
-    launch = subparsers.choices["launch"]
-    return [a for a in launch._actions if a.option_strings and a.dest not in _OWN_LAUNCH_FLAGS]
+    return add_launch_flags(argparse.ArgumentParser(add_help=False), skip=_OWN_LAUNCH_FLAGS)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -89,8 +86,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--master_port", type=int, default=None, metavar="PORT",
         help="first job's master port, the next job PORT+1, ... (default: a free port each)")
     group = parser.add_argument_group("zerotrain launch flags", "passed to every job's `zerotrain launch`")
-    for action in _launch_flag_actions():
-        group._add_action(action)
+    from zerotrain.cli import add_launch_flags
+
+    add_launch_flags(group, skip=_OWN_LAUNCH_FLAGS)  # those are set per job (--master_port: the first job's)
     parser.set_defaults(handler=run_bench, job=[])
 
 

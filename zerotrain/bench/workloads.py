@@ -6,7 +6,7 @@ metrics.csv every 5 steps, no evaluation and no Hugging Face export.
 
 A job runs it as `zerotrain launch [launch flags] <workload_target(NAME, JOB_DIR)>`, that is
 
-    zerotrain launch ... --no_local_rank --module zerotrain train NAME.yaml --output.dir JOB_DIR/train --overwrite
+    zerotrain launch ... --no_local_rank --module zerotrain train NAME.yaml --output.dir JOB_DIR/train
 
 Under `zerotrain launch` every rank runs `zerotrain train` with RANK and WORLD_SIZE set, and `train`
 then trains in that process (it does not start ranks of its own), so the launcher's hostfile, pre-flight
@@ -32,7 +32,7 @@ def workload_config(name: str) -> Path:
     """The `zerotrain train` config of workload `name`; UnknownWorkloadError for another name."""
     if name not in WORKLOADS:
         raise UnknownWorkloadError(
-            f"--workload {name!r} is not a built-in workload; choose one of {', '.join(WORKLOADS)} "
+            f"{name!r} is not a built-in workload; choose one of {', '.join(WORKLOADS)} "
             "(or give your own script or `--module zerotrain train CONFIG.yaml` after --)"
         )
     return WORKLOAD_DIR / f"{name}.yaml"
@@ -41,10 +41,10 @@ def workload_config(name: str) -> Path:
 def workload_target(name: str, job_dir: Path) -> list[str]:
     """What follows `zerotrain launch`'s own flags to run workload `name` with its output in JOB_DIR/train.
 
-    Starts with `--no_local_rank` (a launch flag: `zerotrain train` takes no --local_rank=K),
-    then `--module zerotrain train CONFIG --output.dir JOB_DIR/train --overwrite` (a job folder
-    reused by a new run is trained into afresh, not refused).
+    Starts with `--no_local_rank` (a launch flag: `zerotrain train` takes no --local_rank=K), then
+    `--module zerotrain train CONFIG --output.dir JOB_DIR/train`. `zerotrain train` flags and
+    `--section.key VALUE` overrides may follow (e.g. `--training.max_steps 50`).
     """
     config = workload_config(name)
     return ["--no_local_rank", "--module", "zerotrain", "train", str(config),
-            "--output.dir", str(Path(job_dir) / TRAIN_DIR), "--overwrite"]
+            "--output.dir", str(Path(job_dir) / TRAIN_DIR)]
