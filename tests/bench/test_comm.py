@@ -86,7 +86,7 @@ def test_sizes_parse_and_step_by_powers():
     assert size_list(1024, 8192, factor=2) == [1024, 2048, 4096, 8192]
     assert size_list(1024, 10000) == [1024, 4096, 10000]  # the largest size is always measured
     assert [format_bytes(b) for b in (100663296, 1536, 768)] == ["96M", "1.5K", "768B"]
-    assert [format_time_us(t) for t in (0.187, 0.0012345, 0.00001234)] == ["187,000", "1234.5", "12.34"]
+    assert [format_time_us(t) for t in (0.187, 0.0012345, 0.00001234)] == ["187,000", "1,234.5", "12.34"]
     for bad in ("0", "-1K", "1T", "lots"):
         with pytest.raises(ValueError, match="cannot read the size"):
             parse_size(bad)

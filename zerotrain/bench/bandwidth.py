@@ -75,7 +75,7 @@ def format_bytes(count: float) -> str:
 def format_time_us(seconds: float) -> str:
     """Microseconds with nccl-tests' precision: 2 decimals under 100 us, 1 under 10 ms, none above."""
     us = seconds * 1e6
-    return f"{us:,.0f}" if us >= 10000 else f"{us:.1f}" if us >= 100 else f"{us:.2f}"
+    return f"{us:,.0f}" if us >= 10000 else f"{us:,.1f}" if us >= 100 else f"{us:.2f}"
 
 
 def size_list(min_size: int, max_size: int, factor: int = 4) -> list[int]:
