@@ -180,13 +180,14 @@ def test_a_built_in_workload_runs_zerotrain_train_into_the_job_folder(capsys, tm
     run = tmp_path / "run"
     # --dry_run (a launch flag) prints each job's node command instead of running it.
     code, _ = _bench_in_process(capsys, hostfiles, "--timeout", "60", "--out", run, "--dry_run",
-                                "--workload", "llama-125m")
+                                "--workload", "llama-125m", "--", "--training.max_steps", "50")
     log = (run / "batch-001" / "log.txt").read_text()
     assert code == 0 and JobStatus.read(run / "batch-001").state == "finished", log
     node_job = json.loads(log.split("# stdin: ", 1)[1].splitlines()[0])
     assert node_job["module"] and node_job["target"] == "zerotrain" and not node_job["local_rank_arg"]
     assert node_job["target_args"][0] == "train" and node_job["target_args"][1].endswith("llama-125m.yaml")
     assert node_job["target_args"][2:4] == ["--output.dir", str((run / "batch-001" / "train").resolve())]
+    assert node_job["target_args"][-2:] == ["--training.max_steps", "50"]  # overrides after `--` reach train
     code, err = _bench_in_process(capsys, hostfiles, "--timeout", "60", "--out", tmp_path / "run2",
                                   "--workload", "llama-7t")
     assert code == 2 and "llama-125m" in err, err

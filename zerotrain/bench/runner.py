@@ -241,9 +241,9 @@ class Job:
 def _prepare(args: argparse.Namespace) -> tuple[list[Job], dict]:
     if args.timeout <= 0 or args.grace < 0:
         raise BenchRunError(f"--timeout {args.timeout:g} / --grace {args.grace:g}: give a timeout above 0 seconds")
-    if bool(args.job) == bool(args.workload):
-        raise BenchRunError("give the job to run either after `--` (e.g. `-- train.py --lr 1e-4` or "
-                            "`-- --module zerotrain train my.yaml`) or as --workload NAME, not both or neither")
+    if not args.job and not args.workload:
+        raise BenchRunError("give the job to run after `--` (e.g. `-- train.py --lr 1e-4` or "
+                            "`-- --module zerotrain train my.yaml`) or as --workload NAME")
     hostfile_dir, out = Path(args.hostfile_dir), Path(args.out)
     jobs_found = find_jobs(hostfile_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -261,7 +261,8 @@ def _prepare(args: argparse.Namespace) -> tuple[list[Job], dict]:
     for (name, (hostfile, hosts)), port in zip(jobs_found.items(), ports):
         job_dir = out / name
         try:
-            target = workload_target(args.workload, job_dir.resolve()) if workload_target else list(args.job)
+            # with --workload, words after `--` are `zerotrain train` overrides: -- --training.max_steps 50
+            target = [*workload_target(args.workload, job_dir.resolve()), *args.job] if workload_target else list(args.job)
         except ValueError as error:
             raise BenchRunError(f"--workload {args.workload}: {error}") from None
         argv = [*launcher, "--hostfile", str((job_dir / run_dir.HOSTFILE).resolve()),
@@ -272,7 +273,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list[Job], dict]:
         jobs.append(Job(status, job_dir, argv, env, LogWatcher(job_dir / run_dir.LOG_FILE)))
     run = {"run_id": run_id, "hostfile_dir": str(hostfile_dir.resolve()), "jobs": list(jobs_found),
            "command": shlex.join(["zerotrain", "launch", "--hostfile", "JOB/hostfile", "--master_port", "PORT",
-                                  *flags, *(args.job or [f"<workload {args.workload}>"])]),
+                                  *flags, *([f"<workload {args.workload}>"] if args.workload else []), *args.job]),
            "launch_flags": flags, "target": args.job or None, "workload": args.workload, "timeout_s": args.timeout,
            "grace_s": args.grace, "cwd": os.getcwd(), "started": None, "ended": None, "exit_code": None}
     return jobs, run

@@ -222,8 +222,18 @@ class OutputSection(ConfigSection):
     """Run directory: config.yaml, metrics, checkpoints and the final model."""
     export_hf: bool = True
     """Save the final model as a Hugging Face directory (<dir>/hf) at the end."""
+    save_final: bool = True
+    """Checkpoint at the end of training. A benchmark run (`zerotrain bench run --workload`) sets
+    false to skip writing the model and optimizer state; needs export_hf false (the export reads it)."""
     keep_checkpoints: PositiveInt | None = None
     """Keep only the newest this many checkpoints; unset: keep all."""
+
+    @model_validator(mode="after")
+    def _export_needs_the_final_checkpoint(self) -> "OutputSection":
+        if self.export_hf and not self.save_final:
+            raise ValueError("output.save_final is false but output.export_hf is true: the Hugging Face export "
+                             "is made from the final checkpoint; set output.export_hf: false as well")
+        return self
 
 
 def default_zero() -> dict[str, Any]:

@@ -164,7 +164,7 @@ class Trainer:
                 if os.environ.get(CRASH_ENV) == str(step):
                     os.kill(os.getpid(), signal.SIGKILL)
                 progress.advance(step, last_loss, self._lr(), tokens_per_s)
-        if not stopped and self.last_save_step != self.state.step:
+        if not stopped and self.cfg.output.save_final and self.last_save_step != self.state.step:
             self._save(start)
         hf_dir = None
         if not stopped and self.cfg.output.export_hf:
