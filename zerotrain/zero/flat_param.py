@@ -37,11 +37,7 @@ class FlatParam:
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
-        # Sharded buffers are padded so that every rank owns an equal slice.
-        parts = world_size if sharded else 1
-        self.padded_numel = math.ceil(self.numel / parts) * parts
-        self.shard_size = self.padded_numel // parts
-        self.shard_start = rank * self.shard_size if sharded else 0
+        self.padded_numel, self.shard_size, self.shard_start = shard_layout(self.numel, world_size, rank, sharded)
         self.sharded = sharded
         device = params[0].device
         # Built in fp32 from the model's weights; `cast_to` moves it to the compute dtype.
@@ -232,6 +228,18 @@ class FlatParam:
                 self.grad_shard = _on(torch.zeros(self.shard_size, dtype=self.data.dtype, device=device), pin=True)
             return self.grad_shard
         return self.ensure_grad_full()
+
+
+def shard_layout(numel: int, world_size: int, rank: int, sharded: bool) -> tuple[int, int, int]:
+    """(padded_numel, shard_size, shard_start) of a bucket of `numel` elements.
+
+    Sharded buffers are padded so that every rank owns an equal slice; unsharded ones are
+    the rank's "shard" whole. Pure arithmetic, shared with the memory estimator.
+    """
+    parts = world_size if sharded else 1
+    padded_numel = math.ceil(numel / parts) * parts
+    shard_size = padded_numel // parts
+    return padded_numel, shard_size, rank * shard_size if sharded else 0
 
 
 def _on(t: torch.Tensor, pin: bool) -> torch.Tensor:

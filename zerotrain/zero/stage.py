@@ -97,7 +97,7 @@ def build_flat_params(
     units = find_layer_units(model)
     deferred = Materializer(model, units, world) if has_deferred_params(model) else None
     flat_params: list[FlatParam] = []
-    for unit, buckets in _buckets(model, units, param_groups, plan, bucket_numel, persistence_threshold):
+    for unit, buckets in plan_buckets(model, units, param_groups, plan, bucket_numel, persistence_threshold):
         batch = []
         for g, bucket, persistent in buckets:
             fp = FlatParam(bucket, [names.get(p, "?") for p in bucket], g, world, rank, plan.shards_optimizer)
@@ -135,8 +135,11 @@ def build_flat_params(
     return flat_params
 
 
-def _buckets(model, units, param_groups, plan: StagePlan, bucket_numel: int, persistence_threshold: int):
+def plan_buckets(model, units, param_groups, plan: StagePlan, bucket_numel: int, persistence_threshold: int):
     """(unit, [(group, parameters, persistent) per FlatParam]) in the order backward completes them.
+
+    Pure: reads only parameter sizes and the module tree, so it runs on meta parameters too
+    (zerotrain/planning/model_states.py predicts the engine's memory with it).
 
     Stages 0-2: one batch (unit None) of reverse registration order cut into `bucket_numel`
     buckets. Stage 3: per unit, one bucket per group, the layer units last to first, then

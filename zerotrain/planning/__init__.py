@@ -1,0 +1,1 @@
+"""Planning tools: estimate memory and throughput before launching a run."""
