@@ -190,11 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_parser(subparsers)
     _add_consolidate_parser(subparsers)
     from zerotrain.bench.command import add_bench_parser
+    from zerotrain.planning.estimate_command import add_estimate_parser
     from zerotrain.run_command import add_run_command_parser
     from zerotrain.train.command import add_run_parsers
 
     add_run_command_parser(subparsers)
     add_bench_parser(subparsers)
+    add_estimate_parser(subparsers)
 
     add_run_parsers(subparsers)
     return parser
