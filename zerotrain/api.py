@@ -68,7 +68,7 @@ def initialize(
         )
     cfg = resolve_config(cfg, world_size=torch.distributed.get_world_size(), model=model)
 
-    param_groups = _param_groups(model, optimizer, model_parameters)
+    param_groups = param_groups_of(model, optimizer, model_parameters)
     engine = Engine(
         model,
         cfg,
@@ -108,8 +108,9 @@ def _set_up_logging(rank: int) -> None:
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
-    """Torch-style param groups: from the client optimizer, `model_parameters`, or the whole model."""
+def param_groups_of(model: nn.Module, optimizer=None, model_parameters=None) -> list[dict]:
+    """Torch-style param groups: from the client optimizer, `model_parameters`, or the whole model
+    (how `initialize` reads them; the memory estimate reads them the same way)."""
     if optimizer is not None:
         return [dict(g) for g in optimizer.param_groups]
     if model_parameters is None:

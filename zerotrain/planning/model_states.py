@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from zerotrain.api import param_groups_of
 from zerotrain.config import load_config, resolve_config
 from zerotrain.zero.flat_param import shard_layout
 from zerotrain.zero.stage import StagePlan, plan_buckets
@@ -84,7 +85,7 @@ def model_states_per_rank(
     offload_par = _offload_device(zero.offload_param)
     if "nvme" in (offload_opt, offload_par):
         raise NotImplementedError("NVMe offload: the resident bytes of parked shards are not predicted")
-    groups = _param_groups(model, param_groups)
+    groups = param_groups_of(model, model_parameters=param_groups)
     trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
     options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     plan = StagePlan(zero.stage)
@@ -170,16 +171,6 @@ def _optimizer_factory(cfg):
     if opt is None:
         return lambda groups: torch.optim.SGD(groups, lr=0.0)  # the engine's forward-only stand-in
     return lambda groups: build_optimizer(opt.type, dict(opt.params), groups)
-
-
-def _param_groups(model: nn.Module, model_parameters: Iterable | None) -> list[dict]:
-    """As `zerotrain.initialize` reads `model_parameters`."""
-    if model_parameters is None:
-        return [{"params": list(model.parameters())}]
-    items = list(model_parameters)
-    if items and isinstance(items[0], dict):
-        return [{**g, "params": list(g["params"])} for g in items]
-    return [{"params": items}]
 
 
 def _offload_device(section) -> str | None:
