@@ -191,12 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_consolidate_parser(subparsers)
     from zerotrain.bench.command import add_bench_parser
     from zerotrain.planning.estimate_command import add_estimate_parser
+    from zerotrain.planning.plan_command import add_plan_parser
     from zerotrain.run_command import add_run_command_parser
     from zerotrain.train.command import add_run_parsers
 
     add_run_command_parser(subparsers)
     add_bench_parser(subparsers)
     add_estimate_parser(subparsers)
+    add_plan_parser(subparsers)
 
     add_run_parsers(subparsers)
     return parser

@@ -1,10 +1,12 @@
-"""`zerotrain estimate MODEL`: DeepSpeed's model-state memory estimates, before any run.
+"""`zerotrain estimate MODEL`: the memory of every ZeRO rung, per GPU and per node, before any run.
 
 The model is built on the meta device (nothing loaded or downloaded, see `model_source`).
-The default output is one compact table of DeepSpeed's ZeRO-2 and ZeRO-3 options, per GPU and
-per CPU (node); `--deepspeed-format` prints DeepSpeed's own two tables, as
-`estimate_zero2_model_states_mem_needs_all_live` / `estimate_zero3_..._all_live` do; `--json`
-gives the same numbers as JSON.
+The default output is zerotrain's own table: one line per rung of the ladder (stage x offload x
+checkpointing) with parameters, gradients, optimizer state, gradient buckets, gathered units,
+activations and the logits peak per GPU, and CPU and NVMe per node (`rung_memory`), and whether
+each fits `--gpu-memory`/`--cpu-memory`. `--deepspeed-format` prints DeepSpeed's own two
+tables, as `estimate_zero2_model_states_mem_needs_all_live` / `estimate_zero3_..._all_live` do;
+`--json` gives both as JSON.
 """
 
 from __future__ import annotations
@@ -13,32 +15,28 @@ import argparse
 import json
 from typing import Any
 
-_GIB = 2**30
-
-
 def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
     """Adds `estimate` to the `zerotrain` command."""
+    from zerotrain.planning import planning_args as pa
+
     parser = subparsers.add_parser(
         "estimate",
         help="estimate the memory a model needs per GPU and per CPU under each ZeRO option",
-        description="Estimate the memory of a model's parameters, gradients and optimizer states under "
-        "DeepSpeed's ZeRO-2 and ZeRO-3 options (DeepSpeed's estimator numbers), from the model's config "
-        "on the meta device: no weights are loaded, nothing is downloaded.",
+        description="Estimate the memory per GPU and per node of every ZeRO stage, offload and checkpointing "
+        "choice for a model: model states to the byte the engine allocates, buffers, activations and the "
+        "logits peak. Built from the model's config on the meta device: no weights are loaded, nothing is "
+        "downloaded.",
     )
-    parser.add_argument(
-        "model", metavar="MODEL",
-        help="a local Hugging Face directory or config.json, a zerotrain train YAML, "
-        "or an architecture name (llama, gpt2, ...) sized with --config-override",
-    )
-    parser.add_argument("--gpus-per-node", type=_positive_int, default=1, metavar="N", help="GPUs per node (default 1)")
-    parser.add_argument("--nodes", type=_positive_int, default=1, metavar="N", help="nodes (default 1)")
-    parser.add_argument(
-        "--config-override", action="append", default=[], metavar="KEY=VALUE", dest="config_overrides",
-        help="a model config value (as a train config's model.config_overrides), e.g. hidden_size=4096; repeatable",
-    )
+    pa.add_model_args(parser)
+    parser.add_argument("--gpus-per-node", type=pa.positive_int, default=1, metavar="N", help="GPUs per node (default 1)")
+    parser.add_argument("--nodes", type=pa.positive_int, default=1, metavar="N", help="nodes (default 1)")
+    parser.add_argument("--micro-batch", type=pa.positive_int, default=1, metavar="B",
+                        help="samples per GPU per forward (default 1)")
+    pa.add_workload_args(parser)
+    pa.add_memory_args(parser)
     parser.add_argument(
         "--additional-buffer-factor", type=float, default=1.5, metavar="F",
-        help="DeepSpeed's safety factor on CPU memory (default 1.5)",
+        help="DeepSpeed's safety factor on CPU memory, for --deepspeed-format (default 1.5)",
     )
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--deepspeed-format", action="store_true",
@@ -48,32 +46,60 @@ def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    """Prints the estimate; returns 0, or 2 when MODEL cannot be built (the reason on stderr)."""
+    """Prints the estimate; returns 0, or 2 when MODEL or a flag is wrong (the reason on stderr)."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
-    from zerotrain.planning.model_source import count_parameters, load_meta_model
+    from zerotrain.planning import planning_args as pa
+    from zerotrain.planning.model_source import count_parameters
     from zerotrain.train.data import DataError
 
     try:
-        overrides = parse_config_overrides(args.config_overrides)
-        model = load_meta_model(args.model, overrides)
+        model = pa.load_model(args)
+        base = pa.base_config(args)
+        total, largest = count_parameters(model)
+        if args.deepspeed_format:
+            from zerotrain.planning.deepspeed_estimates import format_zero2_table, format_zero3_table
+
+            hw = (args.gpus_per_node, args.nodes, args.additional_buffer_factor)
+            print(format_zero2_table(total, *hw), end="")
+            print(format_zero3_table(total, largest, *hw), end="")
+            return 0
+        report = estimate_report(args, model, base, total, largest)
     except (ConfigError, DataError, ValueError) as error:
         print_user_error("zerotrain estimate", error)
         return USAGE_EXIT_CODE
-    total, largest = count_parameters(model)
-    report = estimate_report(args.model, total, largest, args.gpus_per_node, args.nodes,
-                             args.additional_buffer_factor)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    elif args.deepspeed_format:
-        from zerotrain.planning.deepspeed_estimates import format_zero2_table, format_zero3_table
-
-        hw = (args.gpus_per_node, args.nodes, args.additional_buffer_factor)
-        print(format_zero2_table(total, *hw), end="")
-        print(format_zero3_table(total, largest, *hw), end="")
-    else:
-        print(format_compact(report), end="")
+    print(json.dumps(report["json"], indent=2) if args.json else report["text"], end="" if not args.json else "\n")
     return 0
+
+
+def estimate_report(args: argparse.Namespace, model, base: dict | None, total: int, largest: int) -> dict[str, Any]:
+    """{"text": the native table, "json": every number} for the parsed flags."""
+    from zerotrain.planning import planning_args as pa
+    from zerotrain.planning.deepspeed_estimates import zero2_options, zero3_options
+    from zerotrain.planning.ladder import ladder
+    from zerotrain.planning.plan_report import describe_setup, format_rung_table
+    from zerotrain.planning.rung_memory import Workload, estimate_rung
+
+    hardware = pa.hardware(args.gpus_per_node, args.nodes, args)
+    workload = Workload(pa.seq_len(args, model), args.micro_batch, pa.compute_dtype(args, base), args.attention)
+    rows = [estimate_rung(model, rung, workload, hardware, base)
+            for rung in ladder(allow_nvme=True, checkpointing=args.gradient_checkpointing)]
+    text = describe_setup(args.model, total, hardware, workload) + "\n" + format_rung_table(rows, hardware)
+    hw = (args.gpus_per_node, args.nodes, args.additional_buffer_factor)
+    data = {
+        "model": {"source": args.model, "total_params": total, "largest_layer_params": largest},
+        "hardware": {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_memory": args.gpu_memory,
+                     "cpu_memory": args.cpu_memory, "nvme": args.nvme},
+        "workload": {"seq_len": workload.seq_len, "micro_batch": workload.micro_batch, "dtype": workload.dtype,
+                     "attention": workload.attention},
+        "rungs": [row.as_dict() for row in rows],
+        "deepspeed": {
+            "additional_buffer_factor": args.additional_buffer_factor,
+            "zero2": [row.as_dict() for row in zero2_options(total, *hw)],
+            "zero3": [row.as_dict() for row in zero3_options(total, largest, *hw)],
+        },
+    }
+    return {"text": text, "json": data}
 
 
 def parse_config_overrides(items: list[str]) -> dict[str, Any]:
@@ -87,50 +113,3 @@ def parse_config_overrides(items: list[str]) -> dict[str, Any]:
             raise ValueError(f"--config-override {item!r}: expected KEY=VALUE, e.g. hidden_size=4096")
         values[key.strip()] = yaml.safe_load(text) if text.strip() else None
     return values
-
-
-def estimate_report(model: str, total_params: int, largest_layer_params: int, gpus_per_node: int, nodes: int,
-                    additional_buffer_factor: float = 1.5) -> dict[str, Any]:
-    """The estimate as plain data: the model's counts, the hardware, and DeepSpeed's rows in bytes."""
-    from zerotrain.planning.deepspeed_estimates import zero2_options, zero3_options
-
-    hw = (gpus_per_node, nodes, additional_buffer_factor)
-    return {
-        "model": {"source": model, "total_params": total_params, "largest_layer_params": largest_layer_params},
-        "hardware": {"nodes": nodes, "gpus_per_node": gpus_per_node},
-        "additional_buffer_factor": additional_buffer_factor,
-        "zero2": [row.as_dict() for row in zero2_options(total_params, *hw)],
-        "zero3": [row.as_dict() for row in zero3_options(total_params, largest_layer_params, *hw)],
-    }
-
-
-def format_compact(report: dict[str, Any]) -> str:
-    """One table of every ZeRO-2 and ZeRO-3 option, GiB per GPU and per CPU (node)."""
-    model, hw = report["model"], report["hardware"]
-    gpus = hw["gpus_per_node"]
-    lines = [
-        f"{model['source']}: {model['total_params']:,} parameters, largest layer {model['largest_layer_params']:,}",
-        f"{hw['nodes']} node{'s' if hw['nodes'] > 1 else ''} x {gpus} GPU{'s' if gpus > 1 else ''}; "
-        f"params, gradients and optimizer states (DeepSpeed's estimate, "
-        f"CPU buffer factor {report['additional_buffer_factor']:g})",
-        "",
-        f"{'stage':<6}{'offload_param':<15}{'offload_optimizer':<19}{'zero_init':<11}{'per GPU':>11}{'per CPU':>12}",
-    ]
-
-    def line(stage: int, param: str, optimizer: str, init: str, row: dict[str, Any]) -> str:
-        return (f"{stage:<6}{param:<15}{optimizer:<19}{init:<11}"
-                f"{row['gpu_bytes'] / _GIB:>7.2f} GiB{row['cpu_bytes'] / _GIB:>8.2f} GiB")
-
-    for row in report["zero2"]:
-        lines.append(line(2, "-", "cpu" if row["offload_optimizer"] else "none", "-", row))
-    for row in report["zero3"]:
-        lines.append(line(3, "cpu" if row["offload_param"] else "none", "cpu" if row["offload_optimizer"] else "none",
-                          "yes" if row["zero_init"] else "no", row))
-    return "\n".join(lines) + "\n"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value

@@ -39,6 +39,7 @@ class BucketLayout:
     padded_numel: int
     shard_size: int
     persistent: bool  # stage 3: kept whole like stage 2's parameters
+    unit: int | None = None  # stage 3: index of its unit in backward order, -1 for the root; None below 3
 
 
 @dataclass(frozen=True)
@@ -133,11 +134,13 @@ def bucket_layouts(
     """The engine's FlatParams for `trainable` (one list per param group), as sizes."""
     units = find_layer_units(model)
     out = []
-    for _unit, batch in plan_buckets(model, units, trainable, plan, bucket_numel, persistence_threshold):
+    for index, (unit, batch) in enumerate(plan_buckets(model, units, trainable, plan, bucket_numel,
+                                                       persistence_threshold)):
+        unit_index = None if unit is None else (-1 if unit is model else index)
         for g, params, persistent in batch:
             numel = sum(p.numel() for p in params)
             padded, shard, _start = shard_layout(numel, world_size, rank, plan.shards_optimizer)
-            out.append(BucketLayout(g, numel, padded, shard, persistent))
+            out.append(BucketLayout(g, numel, padded, shard, persistent, unit_index))
     return out
 
 

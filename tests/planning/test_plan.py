@@ -1,0 +1,191 @@
+"""The per-rung memory model, the plan it drives, and the `estimate`/`plan` commands."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from zerotrain.planning.ladder import Rung, ladder
+from zerotrain.planning.model_states import model_states_per_rank
+from zerotrain.planning.planner import make_plan, min_gpus
+from zerotrain.planning.rung_memory import GIB, Hardware, Workload, estimate_rung, parse_size, rung_config
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256}
+SEVEN_B = "examples/models/llama-2-7b.json"
+
+
+def _meta(sizes=TINY):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **sizes))
+
+
+def _overrides(sizes=TINY) -> list[str]:
+    return [t for k, v in sizes.items() for t in ("--config-override", f"{k}={v}")]
+
+
+def test_the_ladder_runs_fastest_first_and_each_rung_holds_less_on_the_gpu():
+    from pathlib import Path
+
+    from zerotrain.planning.model_source import load_meta_model
+
+    model = load_meta_model(Path(__file__).parents[2] / SEVEN_B)
+    rungs = list(ladder(allow_nvme=False, checkpointing=True))
+    assert [r.stage for r in rungs] == [0, 1, 2, 2, 3, 3, 3]
+    totals = [estimate_rung(model, r, Workload(2048, 1), Hardware(8)).gpu_total for r in rungs]
+    assert totals == sorted(totals, reverse=True)
+    both = list(ladder(allow_nvme=True))
+    assert both[0] == Rung(0) and both[1] == Rung(0, gradient_checkpointing=True) and both[-1].uses_nvme
+
+
+@pytest.mark.parametrize("rung", [Rung(0), Rung(1), Rung(2, "cpu"), Rung(3), Rung(3, "cpu", "cpu"), Rung(3, "nvme", "nvme")],
+                         ids=lambda r: r.name.replace(" ", ""))
+def test_model_states_split_between_gpu_cpu_and_nvme_add_up_to_the_engines_bytes(rung):
+    """Every byte of `model_states_per_rank` (checked against memory_breakdown elsewhere) is placed once."""
+    model, hw = _meta(), Hardware(gpus_per_node=2, nodes=2, nvme_path="/nvme")
+    est = estimate_rung(model, rung, Workload(64, 2, "bf16"), hw)
+    counted = rung_config(rung, Workload(64, 2, "bf16"))
+    for key in ("offload_optimizer", "offload_param"):
+        if key in counted["zero_optimization"]:
+            counted["zero_optimization"][key] = {"device": "cpu"}
+    states = sum(model_states_per_rank(model, counted, 4, device_type="cuda").values())
+    placed = est.gpu["parameters"] + est.gpu["gradients"] + est.gpu["master + optimizer"]
+    placed += sum(v for k, v in {**est.cpu_per_node, **est.nvme_per_node}.items() if k != "nvme swap buffers") // 2
+    assert placed == states
+    if rung.offload_param == "nvme":
+        assert est.nvme_per_node["parameters"] > 0 and "parameters" not in est.cpu_per_node
+
+
+def test_activations_scale_with_the_micro_batch_and_checkpointing_keeps_less():
+    model = _meta()
+    one = estimate_rung(model, Rung(2), Workload(128, 1), Hardware())
+    four = estimate_rung(model, Rung(2), Workload(128, 4), Hardware())
+    assert four.gpu["activations"] == 4 * one.gpu["activations"]
+    assert four.gpu["logits peak"] == 4 * one.gpu["logits peak"]
+    ckpt = estimate_rung(model, Rung(2, gradient_checkpointing=True), Workload(128, 4), Hardware())
+    assert ckpt.gpu["activations"] < four.gpu["activations"]
+
+
+def test_stage3_gathers_the_root_and_layers_up_to_the_live_limit():
+    model = _meta()
+    full = estimate_rung(model, Rung(3), Workload(64, 1, "fp32"), Hardware(2)).gpu["gathered units"]
+    n = sum(p.numel() for p in model.parameters())
+    assert full == pytest.approx(4 * n, rel=0.01)  # the default live limit (1e9) keeps a tiny model whole
+    limited = estimate_rung(model, Rung(3), Workload(64, 1, "fp32"), Hardware(2),
+                            {"zero_optimization": {"stage3_max_live_parameters": 0}}).gpu["gathered units"]
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    root = n - 2 * layer
+    assert limited == pytest.approx(4 * (root + layer), rel=0.01)  # the root and the one layer computing
+
+
+def test_the_plan_takes_the_first_rung_that_fits_and_keeps_the_global_batch():
+    model = _meta()
+    everything = estimate_rung(model, Rung(0), Workload(128, 8), Hardware(2)).gpu_total
+    hw = Hardware(2, gpu_memory=everything + 2 * GIB)  # stage 0 fits at micro-batch 8 with the reserve
+    plan = make_plan(model, hw, 128, global_batch=32)
+    assert plan.choice.rung == Rung(0) and plan.choice.micro_batch == 8 and plan.accumulation == 2
+    cfg = plan.deepspeed_config()
+    assert cfg["train_batch_size"] == 32 == cfg["train_micro_batch_size_per_gpu"] * 2 * cfg["gradient_accumulation_steps"]
+
+
+def test_a_tight_gpu_walks_down_and_says_why_each_faster_rung_does_not_fit():
+    model = _meta()
+    target = estimate_rung(model, Rung(3, "cpu", gradient_checkpointing=True), Workload(128, 1), Hardware(2))
+    hw = Hardware(2, gpu_memory=target.gpu_total + GIB + 1)  # the reserve is 1 GiB on small GPUs
+    plan = make_plan(model, hw, 128, global_batch=2)
+    assert plan.choice.rung == Rung(3, "cpu", gradient_checkpointing=True)
+    assert [r.rung for r in plan.rejected] == list(ladder(allow_nvme=False))[:len(plan.rejected)]
+    assert len(plan.rejected) == 11
+    assert all("over by" in r.overflow[0] and "largest term" in r.overflow[0] for r in plan.rejected)
+
+
+def test_nvme_rungs_need_a_path_and_cpu_limits_are_checked():
+    model = _meta()
+    hw = Hardware(1, gpu_memory=GIB + 1000, cpu_memory=1000)
+    plan = make_plan(model, hw, 64, global_batch=1)
+    assert plan.choice is None and not any(r.rung.uses_nvme for r in plan.rejected)
+    offloaded = [r for r in plan.rejected if r.rung.offload_optimizer == "cpu"]
+    assert all(any(o.startswith("CPU needs") for o in r.overflow) for r in offloaded)
+
+
+def test_minimum_gpus_is_the_smallest_count_that_fits():
+    from pathlib import Path
+
+    from zerotrain.planning.model_source import load_meta_model
+
+    model = load_meta_model(Path(__file__).parents[2] / SEVEN_B)
+    rung, work = Rung(3, gradient_checkpointing=True), Workload(2048, 1)
+    hw = Hardware(8, gpu_memory=parse_size("24GB"))
+    found = min_gpus(model, rung, work, hw)
+    assert found is not None and found > 1
+
+    def fits(count):
+        nodes = max(1, -(-count // 8))
+        return estimate_rung(model, rung, work, Hardware(min(count, 8), nodes, hw.gpu_memory)).fits
+
+    assert fits(found) and not fits(found - 1 if found <= 8 else found - 8)
+
+
+def test_a_global_batch_that_does_not_split_is_refused():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        make_plan(_meta(), Hardware(4, gpu_memory=80 * GIB), 64, global_batch=6)
+
+
+def test_memory_sizes_read_as_users_write_them():
+    assert parse_size("80GB") == parse_size("80 GiB") == 80 * GIB
+    assert parse_size("1.5TB") == int(1.5 * 2**40)
+    with pytest.raises(ValueError, match="80GB"):
+        parse_size("eighty")
+
+
+def test_zerotrain_estimate_prints_every_rung_and_json(zerotrain_cli):
+    done = zerotrain_cli("estimate", "llama", *_overrides(), "--gpus-per-node", "2", "--seq-len", "128",
+                         "--gpu-memory", "2GB", "--cpu-memory", "8GB", check=True)
+    lines = done.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("stage ")]
+    assert len(rows) == 18 and rows[0].startswith("stage 0 ") and rows[-1].rstrip().endswith("yes")
+    assert "seq 128, micro-batch 1, bf16, sdpa attention" in done.stdout
+    data = json.loads(zerotrain_cli("estimate", "llama", *_overrides(), "--json", "--micro-batch", "2",
+                                    "--no-gradient-checkpointing", "--attention", "eager", check=True).stdout)
+    assert len(data["rungs"]) == 9 and data["workload"]["micro_batch"] == 2
+    assert data["rungs"][0]["gpu_bytes"]["activations"] > 0 and len(data["deepspeed"]["zero3"]) == 6
+
+
+def test_zerotrain_plan_prints_words_deepspeed_json_and_train_yaml(zerotrain_cli, tmp_path):
+    import yaml
+
+    done = zerotrain_cli("plan", "llama", *_overrides(), "--gpus", "2", "--gpu-memory", "2GB",
+                         "--seq-len", "128", "--global-batch", "16", check=True)
+    out = done.stdout
+    assert "Recommended: stage 0, micro-batch 8 x 1 accumulation step x 2 GPUs = global batch 16." in out
+    ds_text = out.split("DeepSpeed config (ds_config.json):\n", 1)[1].split("\n\nzerotrain train YAML:", 1)[0]
+    ds = json.loads(ds_text)
+    from zerotrain.config import load_config
+
+    load_config(ds)  # the config zerotrain (and DeepSpeed) would be given loads as it is
+    section = yaml.safe_load(out.split("zerotrain train YAML:\n", 1)[1])
+    assert section["zero"]["zero_optimization"] == ds["zero_optimization"]
+    bad = zerotrain_cli("plan", "llama", *_overrides(), "--gpus", "3", "--gpu-memory", "2GB", "--global-batch", "16")
+    assert bad.returncode == 2 and "multiple of 3" in bad.stderr
+    none = zerotrain_cli("plan", "llama", *_overrides(), "--gpus", "1", "--gpu-memory", "1GB", "--global-batch", "1",
+                         "--json")
+    assert none.returncode == 1 and json.loads(none.stdout)["choice"] is None
+
+
+def test_plan_verify_measures_the_chosen_rung_and_falls_past_an_out_of_memory_one(zerotrain_cli):
+    """3 real steps on 2 Gloo ranks: model states measured equal the prediction exactly; an OOM on one
+    rank at stage 0 (injected) makes the plan fall to stage 1 and say so, without hanging."""
+    done = zerotrain_cli("plan", "llama", *_overrides(), "--gpus", "2", "--gpu-memory", "4GB", "--dtype", "fp32",
+                         "--seq-len", "64", "--global-batch", "4", "--verify", "--no-gradient-checkpointing", "--json",
+                         env={"ZEROTRAIN_TEST_VERIFY_OOM": "1@0"}, timeout=240, check=True)
+    plan = json.loads(done.stdout)
+    first, second = plan["verification"]
+    assert first["rung"] == "stage 0" and first["measured"] == {"oom": True, "oom_rank": 1} and not first["fits"]
+    assert second["rung"] == "stage 1" and second["fits"] and plan["choice"]["rung"] == "stage 1"
+    assert second["measured"]["model_states"] == second["predicted"]["model_states"]
+    measured, predicted = second["measured"]["activations"], second["predicted"]["activations"]
+    assert 0.5 * predicted < measured < 1.5 * predicted  # saved tensors only; the peak adds the logits' gradient

@@ -1,0 +1,80 @@
+"""`zerotrain plan MODEL --gpus N --gpu-memory 80GB ...`: which ZeRO configuration to run, and why.
+
+Prints the recommendation in words (the fastest rung that fits, its micro-batch and
+accumulation), why each faster rung does not fit, the minimum GPU counts, then the config as
+DeepSpeed JSON and as a `zerotrain train` YAML section. `--verify` runs three real steps of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Adds `plan` to the `zerotrain` command."""
+    from zerotrain.planning import planning_args as pa
+
+    parser = subparsers.add_parser(
+        "plan",
+        help="pick the fastest ZeRO stage, offload and micro-batch that fit your GPUs",
+        description="Walk the ladder of ZeRO configurations (stage 0, 1, 2, 2 + optimizer offload, 3, "
+        "3 + offloads, NVMe; each without then with gradient checkpointing) on the memory model and "
+        "recommend the fastest that fits, with the micro-batch and accumulation that keep the global batch.",
+    )
+    pa.add_model_args(parser)
+    parser.add_argument("--gpus", type=pa.positive_int, required=True, metavar="N", help="GPUs in all")
+    parser.add_argument("--gpus-per-node", type=pa.positive_int, default=None, metavar="N",
+                        help="GPUs per node (default: --gpus up to 8)")
+    parser.add_argument("--global-batch", type=pa.positive_int, required=True, metavar="B",
+                        help="samples per optimizer step over all GPUs")
+    pa.add_workload_args(parser)
+    pa.add_memory_args(parser)
+    parser.add_argument("--verify", action="store_true",
+                        help="run 3 real steps of the chosen config on this machine's devices (synthetic data) "
+                        "and compare measured with predicted memory; falls to the next rung if it does not fit")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(handler=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Prints the plan; 0 when something fits, 1 when nothing does, 2 for a wrong MODEL or flag."""
+    from zerotrain.config.errors import ConfigError
+    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.planning import planning_args as pa
+    from zerotrain.planning.model_source import count_parameters
+    from zerotrain.planning.plan_report import describe_setup, format_plan, plan_json, train_yaml_section
+    from zerotrain.planning.planner import make_plan
+    from zerotrain.train.data import DataError
+
+    try:
+        per_node = args.gpus_per_node or min(args.gpus, 8)
+        if args.gpus % per_node:
+            raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {per_node}")
+        if args.gpu_memory is None:
+            raise ValueError("--gpu-memory is required: a plan needs to know what fits, e.g. --gpu-memory 80GB")
+        model = pa.load_model(args)
+        base = pa.base_config(args)
+        hardware = pa.hardware(per_node, args.gpus // per_node, args)
+        plan = make_plan(model, hardware, pa.seq_len(args, model), args.global_batch, pa.compute_dtype(args, base),
+                         args.attention, base, args.gradient_checkpointing)
+    except (ConfigError, DataError, ValueError) as error:
+        print_user_error("zerotrain plan", error)
+        return USAGE_EXIT_CODE
+    if args.verify and plan.choice is not None:
+        from zerotrain.planning.plan_verify import verify_plan
+
+        plan = verify_plan(plan, model, args, base)
+    ds_config = plan.deepspeed_config(base) if plan.choice else None
+    if args.json:
+        print(plan_json(plan, ds_config))
+        return 0 if plan.choice else 1
+    total, _ = count_parameters(model)
+    print(describe_setup(args.model, total, hardware, plan.workload_at_choice() if plan.choice else plan.workload))
+    print(format_plan(plan))
+    if ds_config is not None:
+        print("DeepSpeed config (ds_config.json):")
+        print(json.dumps(ds_config, indent=2))
+        print("\nzerotrain train YAML:")
+        print(train_yaml_section(plan, ds_config), end="")
+    return 0 if plan.choice else 1

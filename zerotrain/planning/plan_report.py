@@ -1,0 +1,116 @@
+"""Plain-text renderings of estimates and plans (stable text: docs/planning.md is generated from it)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from zerotrain.planning.planner import Plan
+from zerotrain.planning.rung_memory import GIB, Hardware, RungEstimate, Workload, format_bytes
+
+# (column header, key in RungEstimate.gpu)
+_GPU_COLUMNS = (
+    ("params", "parameters"),
+    ("grads", "gradients"),
+    ("optim", "master + optimizer"),
+    ("buckets", "gradient buckets"),
+    ("gathered", "gathered units"),
+    ("activ", "activations"),
+    ("logits", "logits peak"),
+)
+
+
+def describe_setup(source: str, total_params: int, hardware: Hardware, workload: Workload) -> str:
+    gpus = hardware.gpus_per_node
+    mem = f" x {format_bytes(hardware.gpu_memory)}" if hardware.gpu_memory else ""
+    cpu = f", {format_bytes(hardware.cpu_memory)} CPU per node" if hardware.cpu_memory else ""
+    return (
+        f"{source}: {total_params:,} parameters\n"
+        f"{hardware.nodes} node{'s' if hardware.nodes > 1 else ''} x {gpus} GPU{'s' if gpus > 1 else ''}{mem}{cpu}; "
+        f"seq {workload.seq_len}, micro-batch {workload.micro_batch}, {workload.dtype}, {workload.attention} attention\n"
+    )
+
+
+def format_rung_table(rows: list[RungEstimate], hardware: Hardware) -> str:
+    """One line per rung: GiB per GPU by term, the GPU total, CPU and NVMe per node, and the verdict."""
+    name_width = max([len(r.rung.name) for r in rows] + [4])
+    head = f"{'rung':<{name_width}}" + "".join(f"{h:>9}" for h, _ in _GPU_COLUMNS)
+    head += f"{'GPU':>9}{'CPU/node':>10}{'NVMe/node':>10}  fits"
+    lines = ["GiB per GPU (CPU and NVMe per node)", head]
+    for r in rows:
+        cells = "".join(f"{r.gpu.get(key, 0) / GIB:>9.2f}" for _, key in _GPU_COLUMNS)
+        verdict = "-" if hardware.gpu_memory is None and hardware.cpu_memory is None else ("yes" if r.fits else "no")
+        lines.append(f"{r.rung.name:<{name_width}}{cells}{r.gpu_total / GIB:>9.2f}"
+                     f"{r.cpu_total / GIB:>10.2f}{r.nvme_total / GIB:>10.2f}  {verdict}")
+    if hardware.gpu_memory is not None:
+        lines.append(f"fits: GPU total + {format_bytes(hardware.gpu_reserve)} reserve (CUDA context, NCCL, "
+                     f"fragmentation) <= {format_bytes(hardware.gpu_memory)}"
+                     + (f"; CPU <= {format_bytes(hardware.cpu_memory)} per node" if hardware.cpu_memory else ""))
+    return "\n".join(lines) + "\n"
+
+
+def format_plan(plan: Plan) -> str:
+    """The recommendation in words, then why nothing faster, then the minimum GPU counts."""
+    lines: list[str] = []
+    hw = plan.hardware
+    assert hw is not None
+    c = plan.choice
+    if c is None:
+        lines.append("Nothing fits: even the last rung needs more memory than the hardware has.")
+    else:
+        lines.append(
+            f"Recommended: {c.rung.name}, micro-batch {c.micro_batch} x {plan.accumulation} accumulation "
+            f"step{'s' if plan.accumulation > 1 else ''} x {hw.world_size} GPU{'s' if hw.world_size > 1 else ''} "
+            f"= global batch {plan.global_batch}."
+        )
+        if c.rung.gradient_checkpointing:
+            lines.append("  Gradient checkpointing: model.gradient_checkpointing_enable() (Hugging Face), "
+                         "or training.gradient_checkpointing: true (zerotrain train).")
+        lines.append(f"  per GPU {format_bytes(c.gpu_total)} + {format_bytes(c.gpu_reserve)} reserve"
+                     + (f" of {format_bytes(hw.gpu_memory)}" if hw.gpu_memory else "")
+                     + (f"; CPU {format_bytes(c.cpu_total)} per node" if c.cpu_total else "")
+                     + (f"; NVMe {format_bytes(c.nvme_total)} per node" if c.nvme_total else ""))
+    if plan.rejected:
+        lines.append("Faster rungs that do not fit (at micro-batch 1):")
+        for r in plan.rejected:
+            lines.append(f"  {r.rung.name}: {'; '.join(r.overflow)}")
+    lines.append(_min_gpus_line("without offload (stage 3 + checkpointing)", plan.min_gpus_without_offload, hw))
+    lines.append(_min_gpus_line("with CPU offload (stage 3 + optimizer and params on CPU + checkpointing)",
+                                plan.min_gpus_with_offload, hw))
+    return "\n".join(lines) + "\n"
+
+
+def _min_gpus_line(what: str, count: int | None, hw: Hardware) -> str:
+    if hw.gpu_memory is None:
+        return f"Minimum GPUs {what}: give --gpu-memory to know"
+    if count is None:
+        return f"Minimum GPUs {what}: none up to 16384 (activations at micro-batch 1 do not fit one GPU)"
+    return f"Minimum GPUs {what}: {count}"
+
+
+def train_yaml_section(plan: Plan, ds_config: dict[str, Any]) -> str:
+    """The `training:` and `zero:` sections of a `zerotrain train` YAML for the plan."""
+    assert plan.choice is not None and plan.workload is not None
+    training = {
+        "micro_batch_size": plan.choice.micro_batch,
+        "gradient_accumulation_steps": plan.accumulation,
+        "gradient_checkpointing": plan.choice.rung.gradient_checkpointing,
+        "precision": plan.workload.dtype,
+    }
+    zero = {"zero_optimization": ds_config["zero_optimization"]}
+    return yaml.safe_dump({"training": training, "zero": zero}, sort_keys=False)
+
+
+def plan_json(plan: Plan, ds_config: dict[str, Any] | None) -> str:
+    return json.dumps({
+        "choice": plan.choice.as_dict() if plan.choice else None,
+        "accumulation": plan.accumulation,
+        "global_batch": plan.global_batch,
+        "rejected": [r.as_dict() for r in plan.rejected],
+        "min_gpus_without_offload": plan.min_gpus_without_offload,
+        "min_gpus_with_offload": plan.min_gpus_with_offload,
+        "deepspeed_config": ds_config,
+        "verification": plan.verification,
+    }, indent=2)

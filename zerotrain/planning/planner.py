@@ -1,0 +1,143 @@
+"""The plan: the guides' nine-step procedure, walked on the memory model instead of on failed runs.
+
+Down the ladder (fastest rung first), each rung gets the largest micro-batch that divides the
+per-GPU share of the global batch and fits; the first rung that fits at all is the plan, with
+accumulation making up the global batch. Every faster rung is kept with the reason it does not
+fit at micro-batch 1. The minimum GPU counts answer "do I need several GPUs for this model?".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from zerotrain.planning.ladder import Rung, ladder
+from zerotrain.planning.rung_memory import Hardware, RungEstimate, Workload, estimate_rung, rung_config
+
+# The search for a minimum GPU count stops here: beyond it, activations at micro-batch 1 are the
+# problem, and more data-parallel ranks do not shrink them.
+MAX_GPUS = 16384
+
+
+@dataclass
+class Plan:
+    """What `plan` recommends, and why nothing faster."""
+
+    choice: RungEstimate | None
+    """The fastest rung that fits, at its micro-batch; None when nothing fits."""
+    accumulation: int
+    """Gradient accumulation steps that keep the global batch with `choice.micro_batch`."""
+    global_batch: int
+    rejected: list[RungEstimate] = field(default_factory=list)
+    """Each faster rung, estimated at micro-batch 1, with its overflow reasons."""
+    min_gpus_without_offload: int | None = None
+    min_gpus_with_offload: int | None = None
+    hardware: Hardware | None = None
+    workload: Workload | None = None
+    verification: list[dict] = field(default_factory=list)
+    """`--verify`'s runs: per rung tried, measured and predicted bytes and whether it fit."""
+
+    def deepspeed_config(self, base_config: dict | None = None) -> dict[str, Any]:
+        """The chosen rung as a DeepSpeed JSON config (batch sizes explicit, "auto" nowhere in ZeRO)."""
+        if self.choice is None:
+            raise ValueError("nothing fits: there is no config to write")
+        assert self.workload is not None and self.hardware is not None
+        cfg = rung_config(self.choice.rung, self.workload_at_choice(), base_config, self.hardware.nvme_path)
+        cfg["gradient_accumulation_steps"] = self.accumulation
+        cfg["train_batch_size"] = self.global_batch
+        return cfg  # checkpointing has no DeepSpeed key for a Hugging Face model: the plan says it in words
+
+    def workload_at_choice(self) -> Workload:
+        assert self.workload is not None and self.choice is not None
+        w = self.workload
+        return Workload(w.seq_len, self.choice.micro_batch, w.dtype, w.attention)
+
+
+def make_plan(
+    model: nn.Module,
+    hardware: Hardware,
+    seq_len: int,
+    global_batch: int,
+    dtype: str = "bf16",
+    attention: str = "sdpa",
+    base_config: dict | None = None,
+    checkpointing: bool | None = None,
+    exclude: frozenset[Rung] = frozenset(),
+) -> Plan:
+    """The fastest rung of the ladder that fits `hardware`, with micro-batch and accumulation.
+
+    `exclude` leaves rungs out (ones a verification run showed do not fit).
+    Raises ValueError when the global batch does not split evenly over the GPUs.
+    """
+    world = hardware.world_size
+    if global_batch < world or global_batch % world:
+        raise ValueError(
+            f"--global-batch {global_batch} does not split over {world} GPUs; use a multiple of {world}"
+        )
+    per_gpu = global_batch // world
+    micro_batches = [m for m in range(per_gpu, 0, -1) if per_gpu % m == 0]
+    result = Plan(None, 0, global_batch, hardware=hardware,
+                  workload=Workload(seq_len, 1, dtype, attention))
+    for rung in ladder(allow_nvme=hardware.nvme_path is not None, checkpointing=checkpointing):
+        if rung in exclude:
+            continue
+        best = _largest_fitting(model, rung, micro_batches, hardware, seq_len, dtype, attention, base_config)
+        if best is not None:
+            result.choice, result.accumulation = best, per_gpu // best.micro_batch
+            break
+        result.rejected.append(estimate_rung(model, rung, Workload(seq_len, 1, dtype, attention), hardware, base_config))
+    work = Workload(seq_len, 1, dtype, attention)
+    result.min_gpus_without_offload = min_gpus(model, Rung(3, gradient_checkpointing=True), work, hardware, base_config)
+    result.min_gpus_with_offload = min_gpus(model, Rung(3, "cpu", "cpu", True), work, hardware, base_config)
+    return result
+
+
+def _largest_fitting(model, rung: Rung, micro_batches: list[int], hardware: Hardware, seq_len: int, dtype: str,
+                     attention: str, base_config) -> RungEstimate | None:
+    # Memory grows with the micro-batch: test the smallest first, then bisect for the largest.
+    def estimate(m: int) -> RungEstimate:
+        return estimate_rung(model, rung, Workload(seq_len, m, dtype, attention), hardware, base_config)
+
+    smallest = estimate(micro_batches[-1])
+    if not smallest.fits:
+        return None
+    lo, hi = len(micro_batches) - 1, 0  # indices: micro_batches is descending; lo fits
+    best = smallest
+    while hi < lo:
+        mid = (lo + hi) // 2
+        e = estimate(micro_batches[mid])
+        if e.fits:
+            best, lo = e, mid
+        else:
+            hi = mid + 1
+    return best
+
+
+def min_gpus(model: nn.Module, rung: Rung, workload: Workload, hardware: Hardware,
+             base_config: dict | None = None) -> int | None:
+    """The fewest GPUs (of `hardware`'s kind) on which `rung` fits at `workload`; None past MAX_GPUS.
+
+    Counts below one node use one node's GPUs; above it, whole nodes. Memory per GPU falls as
+    GPUs are added (shards shrink), so the count is found by bisection.
+    """
+    per_node = hardware.gpus_per_node
+    counts = list(range(1, per_node + 1)) + [per_node * n for n in range(2, MAX_GPUS // per_node + 1)]
+
+    def fits(count: int) -> bool:
+        nodes = max(1, math.ceil(count / per_node))
+        hw = Hardware(min(count, per_node), nodes, hardware.gpu_memory, hardware.cpu_memory, hardware.nvme_path)
+        return estimate_rung(model, rung, workload, hw, base_config).fits
+
+    if not fits(counts[-1]):
+        return None
+    lo, hi = 0, len(counts) - 1  # hi fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(counts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return counts[hi]
