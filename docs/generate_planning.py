@@ -1,0 +1,140 @@
+"""Writes docs/planning.md from the planning tools' own output: `python docs/generate_planning.py`.
+
+Every block of output in that page is produced here by running the command shown above it
+(in-process, from the repository root), so the page cannot drift from the tools:
+tests/planning/test_planning_docs.py fails when the file differs from `render()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "planning.md"
+
+INTRO = """\
+# Planning: which ZeRO configuration, on how many GPUs
+
+"Do I need several GPUs to train this model?", "How much memory will each GPU hold?", "Which ZeRO
+stage and offload should I use?" The guides answer with DeepSpeed's estimator functions and a
+nine-step procedure in which every step is a failed run: batch 1 with gradient checkpointing,
+stage 2, stage 2 with optimizer offload, stage 3, parameter offload, optimizer offload, smaller
+buffers, bf16, NVMe. zerotrain walks the same steps on a memory model before any run, then
+confirms the answer with one:
+
+| command | answers |
+| --- | --- |
+| `zerotrain estimate MODEL` | the memory of every rung, per GPU and per node (`--deepspeed-format`: DeepSpeed's tables) |
+| `zerotrain plan MODEL --gpus N --gpu-memory 80GB --global-batch B` | the fastest rung that fits, micro-batch and accumulation, why nothing faster fits, the minimum GPU count; `--verify` runs 3 real steps |
+| `zerotrain init` | the config wizard: `accelerate config`'s questions, each answered with its estimate ([init.md](init.md)) |
+| `zerotrain tune` | measures the candidates the plan leaves ([tuning.md](tuning.md)) |
+
+MODEL is a local Hugging Face directory or `config.json`, a `zerotrain train` YAML, or an
+architecture name sized with `--config-override`. The model is built on the meta device: no
+weights are read and nothing is downloaded. The examples below use the configs of Llama 3.2 1B,
+Llama 2 7B and Llama 3 70B in `examples/models/`.
+
+## The ladder
+
+The rungs, fastest first: stage 0 (plain data parallel), 1, 2, 2 + optimizer on CPU, 3, 3 +
+optimizer on CPU, 3 + optimizer and parameters on CPU, then the NVMe rungs (with `--nvme PATH`).
+Each is tried without and then with gradient checkpointing: recomputing the forward costs about
+a third of a step, less than moving the optimizer to the CPU. A plan takes the first rung on
+which micro-batch 1 fits, then the largest micro-batch that divides the per-GPU share of the
+global batch; accumulation makes up the rest.
+
+## What is counted, per GPU
+
+| term | what it is |
+| --- | --- |
+| params, grads, optim | parameters in the compute dtype, gradients, fp32 master + optimizer state: the bytes the engine allocates, padding included (`engine.memory_breakdown()` matches them to the byte; tested at every stage and CPU offload on 1, 2 and 4 ranks) |
+| buckets | stages 2-3: whole-gradient buckets alive in backward (one filling, two awaiting their reduce-scatter) |
+| gathered | stage 3: the root unit (embeddings, head) for the whole step, and layers gathered up to `stage3_max_live_parameters` |
+| activ | what autograd keeps for backward, per layer from the architecture (eager attention keeps the score matrices, SDPA does not); with checkpointing, each layer's input plus one layer recomputed |
+| logits | the LM head's peak: logits, their fp32 copy for the loss, and its gradient |
+
+A rung fits when the GPU total plus a reserve (5% of the GPU, at least 1 GiB: CUDA context, NCCL
+buffers, allocator fragmentation) is within `--gpu-memory`, and the CPU bytes of its node's
+processes within `--cpu-memory`. NVMe bytes are what the shards take on disk. GB and GiB both
+mean 2^30 bytes, as devices report memory.
+"""
+
+EXAMPLES = [
+    ("A 1B model on one 24 GB GPU",
+     "A single consumer or workstation GPU: does Llama 3.2 1B train at sequence length 2048?",
+     "plan examples/models/llama-3.2-1b.json --gpus 1 --gpu-memory 24GB --cpu-memory 64GB --seq-len 2048 "
+     "--global-batch 16"),
+    ("A 7B model on 8 x 80 GB",
+     "One node of eight 80 GB GPUs. First the memory of every rung, then the plan.",
+     "estimate examples/models/llama-2-7b.json --gpus-per-node 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 "
+     "--micro-batch 4"),
+    (None, None,
+     "plan examples/models/llama-2-7b.json --gpus 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 "
+     "--global-batch 256"),
+    ("A 70B model on 4 nodes x 8 x 80 GB",
+     "Thirty-two GPUs, 1 TB of CPU memory per node.",
+     "plan examples/models/llama-3-70b.json --gpus 32 --gpus-per-node 8 --gpu-memory 80GB --cpu-memory 1TB "
+     "--seq-len 4096 --global-batch 512"),
+    ("DeepSpeed's estimate, for comparison",
+     "`--deepspeed-format` prints what DeepSpeed's `estimate_zero3_model_states_mem_needs_all_live` prints "
+     "(model states only, with its 1.5 CPU buffer factor); the same functions are importable under "
+     "DeepSpeed's names in the stand-in.",
+     "estimate examples/models/llama-2-7b.json --gpus-per-node 8 --deepspeed-format"),
+]
+
+OUTRO = """\
+## Confirming a plan
+
+`zerotrain plan ... --verify` runs three real steps of the recommended config on this machine's
+devices (random tokens, random weights; one process per GPU, or Gloo processes on a CPU) and
+prints measured against predicted bytes: the model states from `engine.memory_breakdown()`, the
+activations autograd saved, and on a GPU the allocator's peak. A rung that runs out of memory, or
+whose peak is over `--gpu-memory`, is dropped and the plan falls to the next rung, saying so.
+
+## Limits
+
+- The activation model covers Llama-family (Llama, Mistral, Qwen2) and GPT-2 architectures.
+- NVMe rungs report the bytes parked on disk; the host buffers they swap through are estimated,
+  not measured.
+- Data-parallel ZeRO only: no tensor or pipeline parallelism, so a model whose activations at
+  micro-batch 1 exceed one GPU does not fit at any GPU count.
+
+This page is generated: `python docs/generate_planning.py` rewrites it from the tools' output.
+"""
+
+
+def run_cli(command: str) -> str:
+    """`zerotrain COMMAND` in-process, from the repository root; its standard output."""
+    from zerotrain.cli import main
+
+    out = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out):
+            main(shlex.split(command))
+    finally:
+        os.chdir(cwd)
+    return out.getvalue()
+
+
+def render() -> str:
+    """The page, with every example's output produced now."""
+    parts = [INTRO, "## Worked examples\n"]
+    for title, words, command in EXAMPLES:
+        if title:
+            parts.append(f"### {title}\n\n{words}\n")
+        parts.append(f"```console\n$ zerotrain {command}\n{run_cli(command).rstrip()}\n```\n")
+    parts.append(OUTRO)
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    PAGE.write_text(render())
+    print(f"wrote {PAGE.relative_to(ROOT)}")

@@ -1,0 +1,164 @@
+"""Activation memory: the bytes autograd keeps for backward, from a model's config.
+
+Counted tensor by tensor from what the Hugging Face implementations compute in training
+(read off modeling_llama.py and modeling_gpt2.py, and checked against `saved_tensors_hooks`
+in tests/planning/test_activation_memory.py). Notation: T = micro_batch x seq_len tokens,
+h hidden, i MLP width, e bytes of the compute dtype, V vocabulary, n query heads of width d,
+k key/value heads.
+
+Llama family (RMSNorm, rotary, gated SiLU MLP, grouped-query attention), per layer:
+- each RMSNorm (2): its input upcast to fp32 (4Th), the fp32 rsqrt (4T), the normalized
+  input before the weight (eTh; in fp32 it is the fp32 product itself)
+- q/k/v projections' shared input (eTh) and o_proj's input (e.T.n.d)
+- attention, eager: q, and k and v repeated to n heads (3 e.T.n.d); the fp32 softmax
+  (4.b.n.s^2) and its cast to the compute dtype (e.b.n.s^2, none in fp32)
+- attention, SDPA (fused kernels): q (e.T.n.d), k and v (2 e.T.k.d), the output (shared with
+  o_proj's input) and the fp32 log-sum-exp (4.b.n.s)
+- MLP: the input (eTh), gate output, SiLU output, up output, their product (4 e.T.i)
+
+GPT-2, per layer: LayerNorm inputs (2 eTh) and statistics (2 x 2 x 4T), c_attn and c_fc inputs
+(2 eTh), q, k^T, v (3 eTh), eager scores: softmax output, dropout mask and dropped
+probabilities (b.n.s^2 each), c_proj input (eTh), residual and MLP dropout masks (2 Th), the
+GELU's intermediates (4 e.T.i for gelu_new: x, x^3, tanh, the sum), c_proj input (e.T.i).
+Dropout masks are one byte per element on a GPU and e bytes on a CPU (the CPU kernel keeps
+the mask in the compute dtype).
+
+Outside the layers: token ids (8T), the final norm, the LM head's input (eTh). The logits
+are counted apart: the loss upcasts them to fp32 and keeps its log-softmax (4TV saved); the
+peak adds the logits returned to the caller (eTV) and the two fp32 gradients of backward's
+first step (8TV).
+
+With gradient checkpointing each layer keeps only its input (eTh), inputs all layers share are
+kept once (GPT-2's eager attention mask, e.b.s^2), and one layer's full set exists again while
+it is recomputed in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED = (*LLAMA_FAMILY, "gpt2")
+# Tensors of width i a GPT-2 activation keeps (NewGELU's elementwise chain keeps four).
+_GELU_SAVED = {"gelu_new": 4, "gelu_fast": 4, "gelu": 1, "gelu_pytorch_tanh": 1, "relu": 1, "quick_gelu": 2}
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Bytes autograd keeps during one micro-batch's forward, by where they are kept."""
+
+    layers: int
+    per_layer_bytes: int
+    """One decoder layer's saved tensors, without checkpointing."""
+    checkpoint_per_layer_bytes: int
+    """With gradient checkpointing: what each layer keeps (its input)."""
+    outside_layers_bytes: int
+    """Embeddings' ids, final norm, LM head input; the logits excluded."""
+    checkpoint_shared_bytes: int
+    """With gradient checkpointing: inputs every layer shares, kept once (GPT-2's eager mask)."""
+    logits_saved_bytes: int
+    """What the loss keeps of the logits (fp32 log-softmax, targets)."""
+    logits_peak_bytes: int
+    """The LM head and loss at their peak: logits, saved log-softmax, two fp32 gradients."""
+    attention: str
+
+    def saved(self, gradient_checkpointing: bool) -> int:
+        """Bytes saved at the end of the forward (what `saved_tensors_hooks` sees)."""
+        if gradient_checkpointing:
+            kept = self.layers * self.checkpoint_per_layer_bytes + self.checkpoint_shared_bytes
+        else:
+            kept = self.layers * self.per_layer_bytes
+        return kept + self.outside_layers_bytes + self.logits_saved_bytes
+
+    def total(self, gradient_checkpointing: bool) -> int:
+        """The peak: saved tensors, one recomputed layer with checkpointing, the logits' peak."""
+        recompute = self.per_layer_bytes if gradient_checkpointing else 0
+        return self.saved(gradient_checkpointing) - self.logits_saved_bytes + recompute + self.logits_peak_bytes
+
+
+def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: torch.dtype,
+                         attention: str = "sdpa", device_type: str = "cuda") -> ActivationEstimate:
+    """The activation bytes of one micro-batch of `micro_batch` x `seq_len` tokens.
+
+    Args:
+        model_config: a transformers PretrainedConfig of a supported architecture.
+        dtype: the compute dtype.
+        attention: "sdpa" (fused kernels keep no score matrix) or "eager".
+        device_type: "cuda" or "cpu": dropout masks are bytes on a GPU, dtype-sized on a CPU.
+    Raises ValueError for an architecture the model does not cover.
+    """
+    kind = getattr(model_config, "model_type", None)
+    if kind not in SUPPORTED:
+        raise ValueError(f"activation memory is modelled for {', '.join(SUPPORTED)}; "
+                         f"this model is {kind!r}")
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f'attention must be "sdpa" or "eager", got {attention!r}')
+    e = torch.empty(0, dtype=dtype).element_size()
+    b, s = micro_batch, seq_len
+    t = b * s
+    if kind == "gpt2":
+        per_layer, outside, layers, vocab = _gpt2(model_config, b, s, e, attention, device_type)
+    else:
+        per_layer, outside, layers, vocab = _llama(model_config, b, s, e, attention)
+    outside += 8 * t  # token ids (int64), kept by the embedding
+    logits_saved = 4 * t * vocab + 8 * t
+    return ActivationEstimate(
+        layers=layers,
+        per_layer_bytes=per_layer,
+        checkpoint_per_layer_bytes=e * t * _hidden(model_config),
+        # GPT-2's eager attention takes a materialized b x 1 x s x s mask, an input of every layer.
+        checkpoint_shared_bytes=e * b * s * s if kind == "gpt2" and attention == "eager" else 0,
+        outside_layers_bytes=outside,
+        logits_saved_bytes=logits_saved,
+        logits_peak_bytes=e * t * vocab + logits_saved + 8 * t * vocab,
+        attention=attention,
+    )
+
+
+def _hidden(c) -> int:
+    return c.n_embd if c.model_type == "gpt2" else c.hidden_size
+
+
+def _llama(c, b: int, s: int, e: int, attention: str) -> tuple[int, int, int, int]:
+    t, h, i = b * s, c.hidden_size, c.intermediate_size
+    n = c.num_attention_heads
+    k = getattr(c, "num_key_value_heads", None) or n
+    d = getattr(c, "head_dim", None) or h // n
+    # fp32 upcast of the input, rsqrt, normalized input (in fp32 the product is the normalized input)
+    rms_norm = 4 * t * h + 4 * t + e * t * h
+    attn_in, o_in = e * t * h, e * t * n * d
+    if attention == "eager":
+        scores = 4 * b * n * s * s + (e * b * n * s * s if e != 4 else 0)
+        attn = 3 * e * t * n * d + scores + o_in
+    else:
+        attn = e * t * n * d + 2 * e * t * k * d + o_in + 4 * b * n * s
+    mlp = e * t * h + 4 * e * t * i
+    per_layer = 2 * rms_norm + attn_in + attn + mlp
+    outside = rms_norm + e * t * h  # final norm, LM head input
+    return per_layer, outside, c.num_hidden_layers, c.vocab_size
+
+
+def _gpt2(c, b: int, s: int, e: int, attention: str, device_type: str) -> tuple[int, int, int, int]:
+    t, h = b * s, c.n_embd
+    i = c.n_inner or 4 * h
+    n = c.n_head
+    mask = 1 if device_type == "cuda" else e  # bytes per element of a dropout mask
+
+    def dropout(p: float, elements: int) -> int:
+        return mask * elements if p > 0 else 0
+
+    layer_norm = e * t * h + 2 * 4 * t  # input; mean and rstd (fp32 on a GPU, small either way)
+    qkv = 3 * e * t * h  # q, k^T, v
+    if attention == "eager":
+        probs = b * n * s * s
+        scores = e * probs + (dropout(c.attn_pdrop, probs) + e * probs if c.attn_pdrop > 0 else 0)
+    else:
+        scores = 4 * b * n * s  # log-sum-exp; the output is c_proj's input
+    attn = e * t * h + qkv + scores + e * t * h + dropout(c.resid_pdrop, t * h)  # c_attn in, ..., c_proj in
+    gelu = _GELU_SAVED.get(c.activation_function, 4)
+    mlp = e * t * h + gelu * e * t * i + e * t * i + dropout(c.resid_pdrop, t * h)
+    per_layer = 2 * layer_norm + attn + mlp
+    outside = dropout(c.embd_pdrop, t * h) + 8 * s + layer_norm + e * t * h  # positions, ln_f, LM head input
+    return per_layer, outside, c.n_layer, c.vocab_size
