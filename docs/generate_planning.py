@@ -30,7 +30,7 @@ confirms the answer with one:
 | command | answers |
 | --- | --- |
 | `zerotrain estimate MODEL` | the memory of every rung, per GPU and per node (`--deepspeed-format`: DeepSpeed's tables) |
-| `zerotrain plan MODEL --gpus N --gpu-memory 80GB --global-batch B` | the fastest rung that fits, micro-batch and accumulation, why nothing faster fits, the minimum GPU count; `--verify` runs 3 real steps |
+| `zerotrain plan MODEL --gpus 8 --gpu-memory 80GB --global-batch 256` | the fastest rung that fits, micro-batch and accumulation, why nothing faster fits, the minimum GPU count; `--verify` runs 3 real steps |
 | `zerotrain init` | the config wizard: `accelerate config`'s questions, each answered with its estimate ([init.md](init.md)) |
 | `zerotrain tune` | measures the candidates the plan leaves ([tuning.md](tuning.md)) |
 

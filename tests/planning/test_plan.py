@@ -28,7 +28,7 @@ def _overrides(sizes=TINY) -> list[str]:
     return [t for k, v in sizes.items() for t in ("--config-override", f"{k}={v}")]
 
 
-def test_the_ladder_runs_fastest_first_and_each_rung_holds_less_on_the_gpu():
+def test_the_ladder_runs_fastest_first_and_each_offload_step_holds_less_on_the_gpu():
     from pathlib import Path
 
     from zerotrain.planning.model_source import load_meta_model
@@ -37,7 +37,10 @@ def test_the_ladder_runs_fastest_first_and_each_rung_holds_less_on_the_gpu():
     rungs = list(ladder(allow_nvme=False, checkpointing=True))
     assert [r.stage for r in rungs] == [0, 1, 2, 2, 3, 3, 3]
     totals = [estimate_rung(model, r, Workload(2048, 1), Hardware(8)).gpu_total for r in rungs]
-    assert totals == sorted(totals, reverse=True)
+    assert totals[0] == max(totals) and totals[-1] == min(totals)
+    # Within a stage each offload step holds less; across stages not always: on 8 GPUs stage 2 with
+    # the optimizer on the CPU holds less than stage 3 (whole parameters vs. sharded states + gathers).
+    assert totals[3] < totals[2] and totals[6] < totals[5] < totals[4] and totals[2] < totals[1] < totals[0]
     both = list(ladder(allow_nvme=True))
     assert both[0] == Rung(0) and both[1] == Rung(0, gradient_checkpointing=True) and both[-1].uses_nvme
 
@@ -47,8 +50,9 @@ def test_the_ladder_runs_fastest_first_and_each_rung_holds_less_on_the_gpu():
 def test_model_states_split_between_gpu_cpu_and_nvme_add_up_to_the_engines_bytes(rung):
     """Every byte of `model_states_per_rank` (checked against memory_breakdown elsewhere) is placed once."""
     model, hw = _meta(), Hardware(gpus_per_node=2, nodes=2, nvme_path="/nvme")
-    est = estimate_rung(model, rung, Workload(64, 2, "bf16"), hw)
-    counted = rung_config(rung, Workload(64, 2, "bf16"))
+    base = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # shard every tensor
+    est = estimate_rung(model, rung, Workload(64, 2, "bf16"), hw, base)
+    counted = rung_config(rung, Workload(64, 2, "bf16"), base)
     for key in ("offload_optimizer", "offload_param"):
         if key in counted["zero_optimization"]:
             counted["zero_optimization"][key] = {"device": "cpu"}
@@ -72,11 +76,13 @@ def test_activations_scale_with_the_micro_batch_and_checkpointing_keeps_less():
 
 def test_stage3_gathers_the_root_and_layers_up_to_the_live_limit():
     model = _meta()
-    full = estimate_rung(model, Rung(3), Workload(64, 1, "fp32"), Hardware(2)).gpu["gathered units"]
+    sharded = {"stage3_param_persistence_threshold": 0}  # a tiny model's tensors would all stay whole
+    full = estimate_rung(model, Rung(3), Workload(64, 1, "fp32"), Hardware(2),
+                         {"zero_optimization": sharded}).gpu["gathered units"]
     n = sum(p.numel() for p in model.parameters())
     assert full == pytest.approx(4 * n, rel=0.01)  # the default live limit (1e9) keeps a tiny model whole
     limited = estimate_rung(model, Rung(3), Workload(64, 1, "fp32"), Hardware(2),
-                            {"zero_optimization": {"stage3_max_live_parameters": 0}}).gpu["gathered units"]
+                            {"zero_optimization": {**sharded, "stage3_max_live_parameters": 0}}).gpu["gathered units"]
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
     root = n - 2 * layer
     assert limited == pytest.approx(4 * (root + layer), rel=0.01)  # the root and the one layer computing
@@ -85,7 +91,7 @@ def test_stage3_gathers_the_root_and_layers_up_to_the_live_limit():
 def test_the_plan_takes_the_first_rung_that_fits_and_keeps_the_global_batch():
     model = _meta()
     everything = estimate_rung(model, Rung(0), Workload(128, 8), Hardware(2)).gpu_total
-    hw = Hardware(2, gpu_memory=everything + 2 * GIB)  # stage 0 fits at micro-batch 8 with the reserve
+    hw = Hardware(2, gpu_memory=everything + GIB)  # stage 0 fits at micro-batch 8 with the 1 GiB reserve, not 16
     plan = make_plan(model, hw, 128, global_batch=32)
     assert plan.choice.rung == Rung(0) and plan.choice.micro_batch == 8 and plan.accumulation == 2
     cfg = plan.deepspeed_config()
@@ -94,12 +100,13 @@ def test_the_plan_takes_the_first_rung_that_fits_and_keeps_the_global_batch():
 
 def test_a_tight_gpu_walks_down_and_says_why_each_faster_rung_does_not_fit():
     model = _meta()
-    target = estimate_rung(model, Rung(3, "cpu", gradient_checkpointing=True), Workload(128, 1), Hardware(2))
-    hw = Hardware(2, gpu_memory=target.gpu_total + GIB + 1)  # the reserve is 1 GiB on small GPUs
+    rungs = list(ladder(allow_nvme=False))
+    totals = [estimate_rung(model, r, Workload(128, 1), Hardware(2)).gpu_total for r in rungs]
+    smallest = totals.index(min(totals))
+    hw = Hardware(2, gpu_memory=min(totals) + GIB)  # only the leanest rung fits (the reserve is 1 GiB here)
     plan = make_plan(model, hw, 128, global_batch=2)
-    assert plan.choice.rung == Rung(3, "cpu", gradient_checkpointing=True)
-    assert [r.rung for r in plan.rejected] == list(ladder(allow_nvme=False))[:len(plan.rejected)]
-    assert len(plan.rejected) == 11
+    assert smallest > 0 and plan.choice.rung == rungs[smallest] and plan.choice.micro_batch == 1
+    assert [r.rung for r in plan.rejected] == rungs[:smallest]
     assert all("over by" in r.overflow[0] and "largest term" in r.overflow[0] for r in plan.rejected)
 
 
@@ -147,7 +154,8 @@ def test_zerotrain_estimate_prints_every_rung_and_json(zerotrain_cli):
                          "--gpu-memory", "2GB", "--cpu-memory", "8GB", check=True)
     lines = done.stdout.splitlines()
     rows = [line for line in lines if line.startswith("stage ")]
-    assert len(rows) == 18 and rows[0].startswith("stage 0 ") and rows[-1].rstrip().endswith("yes")
+    assert len(rows) == 18 and rows[0].startswith("stage 0 ") and rows[0].endswith("yes")
+    assert rows[-1].startswith("stage 3 + optimizer nvme + params nvme") and rows[-1].endswith("no")  # no --nvme
     assert "seq 128, micro-batch 1, bf16, sdpa attention" in done.stdout
     data = json.loads(zerotrain_cli("estimate", "llama", *_overrides(), "--json", "--micro-batch", "2",
                                     "--no-gradient-checkpointing", "--attention", "eager", check=True).stdout)

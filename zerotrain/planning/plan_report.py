@@ -76,9 +76,8 @@ def format_plan(plan: Plan) -> str:
         lines.append("Faster rungs that do not fit (at micro-batch 1):")
         for r in plan.rejected:
             lines.append(f"  {r.rung.name}: {'; '.join(r.overflow)}")
-    lines.append(_min_gpus_line("without offload (stage 3 + checkpointing)", plan.min_gpus_without_offload, hw))
-    lines.append(_min_gpus_line("with CPU offload (stage 3 + optimizer and params on CPU + checkpointing)",
-                                plan.min_gpus_with_offload, hw))
+    lines.append(_min_gpus_line("without offload (any stage, with checkpointing)", plan.min_gpus_without_offload, hw))
+    lines.append(_min_gpus_line("with CPU offload (with checkpointing)", plan.min_gpus_with_offload, hw))
     return "\n".join(lines) + "\n"
 
 

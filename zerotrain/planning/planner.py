@@ -90,9 +90,18 @@ def make_plan(
             break
         result.rejected.append(estimate_rung(model, rung, Workload(seq_len, 1, dtype, attention), hardware, base_config))
     work = Workload(seq_len, 1, dtype, attention)
-    result.min_gpus_without_offload = min_gpus(model, Rung(3, gradient_checkpointing=True), work, hardware, base_config)
-    result.min_gpus_with_offload = min_gpus(model, Rung(3, "cpu", "cpu", True), work, hardware, base_config)
+    # The leanest rung is not always stage 3: on few GPUs its gathered units outweigh what it shards.
+    leanest = [r for r in ladder(allow_nvme=False, checkpointing=True)]
+    result.min_gpus_without_offload = _fewest(
+        min_gpus(model, r, work, hardware, base_config) for r in leanest if r.offload_optimizer == "none")
+    result.min_gpus_with_offload = _fewest(
+        min_gpus(model, r, work, hardware, base_config) for r in leanest if r.offload_optimizer != "none")
     return result
+
+
+def _fewest(counts) -> int | None:
+    found = [c for c in counts if c is not None]
+    return min(found) if found else None
 
 
 def _largest_fitting(model, rung: Rung, micro_batches: list[int], hardware: Hardware, seq_len: int, dtype: str,

@@ -180,9 +180,8 @@ def estimate_rung(
     gpu["gradients"] = 0 if grads_off else states["grads"]
     if grads_off:
         host[rung.offload_optimizer]["gradients"] = states["grads"]
-    if rung.offload_optimizer == "none":
-        gpu["master + optimizer"] = optimizer_bytes
-    else:
+    gpu["master + optimizer"] = optimizer_bytes if rung.offload_optimizer == "none" else 0
+    if rung.offload_optimizer != "none":
         host[rung.offload_optimizer]["master + optimizer"] = optimizer_bytes
     if rung.uses_nvme:
         # NVMe shards are swapped through host memory one bucket at a time.
@@ -217,7 +216,8 @@ def _gathered_unit_bytes(buckets, zero, low: int) -> int:
     """Stage 3's whole parameters during a step: the root unit throughout, layers up to the live limit.
 
     The gatherer keeps units for reuse while the gathered elements stay under
-    `stage3_max_live_parameters`, and always gathers the unit it needs now (plus its prefetch).
+    `stage3_max_live_parameters`, prefetches within that limit, and always gathers the unit it
+    needs now.
     """
     root = sum(b.padded_numel for b in buckets if b.unit == -1 and not b.persistent)
     per_unit: dict[int, int] = {}
@@ -226,7 +226,8 @@ def _gathered_unit_bytes(buckets, zero, low: int) -> int:
             per_unit[b.unit] = per_unit.get(b.unit, 0) + b.padded_numel
     layers = sum(per_unit.values())
     largest = max(per_unit.values(), default=0)
-    live = min(layers, max(zero.max_live_parameters, largest + min(zero.prefetch_bucket_size, largest)))
+    # Prefetch and reuse both stay under the live limit; only the unit needed now may exceed it.
+    live = min(layers, max(zero.max_live_parameters, largest))
     return (root + live) * low
 
 
