@@ -197,3 +197,13 @@ def test_plan_verify_measures_the_chosen_rung_and_falls_past_an_out_of_memory_on
     assert second["measured"]["model_states"] == second["predicted"]["model_states"]
     measured, predicted = second["measured"]["activations"], second["predicted"]["activations"]
     assert 0.5 * predicted < measured < 1.5 * predicted  # saved tensors only; the peak adds the logits' gradient
+
+
+def test_a_guides_deepspeed_config_with_auto_values_is_a_base_for_every_rung(fixtures_dir):
+    from zerotrain.config.loader import read_config_file
+
+    base = read_config_file(fixtures_dir / "configs" / "guide-zero3-offload.jsonc")
+    model = _meta()
+    for rung in ladder(allow_nvme=False):
+        est = estimate_rung(model, rung, Workload(64, 1, "bf16"), Hardware(2), base)
+        assert est.gpu_total > 0

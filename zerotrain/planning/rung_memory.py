@@ -127,6 +127,22 @@ def rung_config(rung: Rung, workload: Workload, base_config: dict | None = None,
             cfg.pop(key)
     cfg.pop("train_batch_size", None)  # the plan chooses accumulation; the batch follows
     cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-4}})
+    return _memory_neutral_autos_filled(cfg)
+
+
+# "auto" values the Trainer or Accelerate would fill that change no byte of memory.
+_NEUTRAL_AUTOS = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _memory_neutral_autos_filled(cfg: dict) -> dict:
+    """A config whose remaining "auto"s are the ones the model resolves (bucket sizes)."""
+    cfg.pop("scheduler", None)  # schedules change no memory
+    if cfg.get("gradient_clipping") == "auto":
+        cfg["gradient_clipping"] = 1.0
+    params = (cfg.get("optimizer") or {}).get("params") or {}
+    for key, value in list(params.items()):
+        if value == "auto":
+            params[key] = _NEUTRAL_AUTOS.get(key, value)
     return cfg
 
 
