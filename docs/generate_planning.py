@@ -12,6 +12,7 @@ import io
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +32,7 @@ confirms the answer with one:
 | --- | --- |
 | `zerotrain estimate MODEL` | the memory of every rung, per GPU and per node (`--deepspeed-format`: DeepSpeed's tables) |
 | `zerotrain plan MODEL --gpus 8 --gpu-memory 80GB --global-batch 256` | the fastest rung that fits, micro-batch and accumulation, why nothing faster fits, the minimum GPU count; `--verify` runs 3 real steps |
-| `zerotrain init` | the config wizard: `accelerate config`'s questions, each answered with its estimate ([init.md](init.md)) |
-| `zerotrain tune` | measures the candidates the plan leaves ([tuning.md](tuning.md)) |
+| `zerotrain init` | the config wizard: `accelerate config`'s questions, each answered with its estimate (below) |
 
 MODEL is a local Hugging Face directory or `config.json`, a `zerotrain train` YAML, or an
 architecture name sized with `--config-override`. The model is built on the meta device: no
@@ -87,6 +87,23 @@ EXAMPLES = [
      "estimate examples/models/llama-2-7b.json --gpus-per-node 8 --deepspeed-format"),
 ]
 
+WIZARD = """\
+## The config wizard
+
+`zerotrain init [MODEL]` asks what `accelerate config` asks for DeepSpeed (machines, GPUs per
+machine, mixed precision, ZeRO stage, optimizer and parameter offload, zero.Init, accumulation,
+clipping) plus the GPU and CPU memory, sequence length and global batch. Each question shows the
+estimate behind it, and its default is the plan's answer. Answers come from flags (one per
+question), then from standard input, one line each (an empty line takes the default); `--yes`
+takes the defaults for the rest. A configuration that does not fit is shown with its overflow and
+written only when confirmed. It writes `ds_config.json`, a `zerotrain train` YAML
+(`zerotrain.yaml`, with synthetic data to replace by yours) and, with `--accelerate-config PATH`,
+an Accelerate config that uses the JSON. Existing files are kept unless `--force`.
+"""
+
+INIT_COMMAND = ("init examples/models/llama-2-7b.json --num-machines 1 --gpus-per-machine 8 --gpu-memory 80GB "
+                "--cpu-memory 1TB --seq-len 4096 --global-batch 256 --yes")
+
 OUTRO = """\
 ## Confirming a plan
 
@@ -108,19 +125,19 @@ This page is generated: `python docs/generate_planning.py` rewrites it from the 
 """
 
 
-def run_cli(command: str) -> str:
-    """`zerotrain COMMAND` in-process, from the repository root; its standard output."""
+def run_cli(command: str, where: Path = ROOT) -> str:
+    """`zerotrain COMMAND` in-process, run from `where` with examples/ paths made absolute; its output."""
     from zerotrain.cli import main
 
     out = io.StringIO()
     cwd = os.getcwd()
-    os.chdir(ROOT)
+    os.chdir(where)
     try:
         with contextlib.redirect_stdout(out):
-            main(shlex.split(command))
+            main([str(ROOT / w) if w.startswith("examples/") else w for w in shlex.split(command)])
     finally:
         os.chdir(cwd)
-    return out.getvalue()
+    return out.getvalue().replace(str(ROOT) + "/", "")
 
 
 def render() -> str:
@@ -130,6 +147,10 @@ def render() -> str:
         if title:
             parts.append(f"### {title}\n\n{words}\n")
         parts.append(f"```console\n$ zerotrain {command}\n{run_cli(command).rstrip()}\n```\n")
+    parts.append(WIZARD)
+    with tempfile.TemporaryDirectory() as folder:  # the files it writes are not part of the page
+        transcript = run_cli(INIT_COMMAND, Path(folder))
+    parts.append(f"```console\n$ zerotrain {INIT_COMMAND}\n{transcript.rstrip()}\n```\n")
     parts.append(OUTRO)
     return "\n".join(parts)
 

@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     from zerotrain.bench.command import add_bench_parser
     from zerotrain.planning.estimate_command import add_estimate_parser
     from zerotrain.planning.plan_command import add_plan_parser
+    from zerotrain.planning.wizard_command import add_init_parser
     from zerotrain.run_command import add_run_command_parser
     from zerotrain.train.command import add_run_parsers
 
@@ -199,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_estimate_parser(subparsers)
     add_plan_parser(subparsers)
+    add_init_parser(subparsers)
 
     add_run_parsers(subparsers)
     return parser

@@ -1,0 +1,182 @@
+"""`zerotrain init [MODEL]`: the config wizard, writing a DeepSpeed JSON, a train YAML, an Accelerate YAML.
+
+Every question of `config_wizard` has a flag; `--yes` takes the recommended answer for the
+rest, so `zerotrain init MODEL --gpus-per-machine 8 --yes` writes the plan's configs at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_QUESTION_FLAGS = (
+    ("--num-machines", "machines"), ("--gpus-per-machine", "GPUs per machine"),
+    ("--gpu-memory", "memory of one GPU, e.g. 80GB"), ("--cpu-memory", "CPU memory of one machine, e.g. 512GB"),
+    ("--seq-len", "tokens per sample"), ("--global-batch", "samples per optimizer step over all GPUs"),
+    ("--mixed-precision", "no, fp16 or bf16"), ("--zero-stage", "0-3"),
+    ("--offload-optimizer", "none, cpu or nvme"), ("--offload-param", "none, cpu or nvme (stage 3)"),
+    ("--zero3-init", "yes or no (stage 3)"), ("--gradient-checkpointing", "yes or no"),
+    ("--gradient-accumulation-steps", "steps per optimizer step"), ("--gradient-clipping", "max gradient norm, 0: none"),
+)
+
+
+def add_init_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Adds `init` to the `zerotrain` command."""
+    parser = subparsers.add_parser(
+        "init",
+        help="config wizard: answer accelerate config's questions, each shown with its memory estimate",
+        description="Ask the questions `accelerate config` asks for DeepSpeed (machines, GPUs, ZeRO stage, offload, "
+        "zero.Init, accumulation, clipping, mixed precision), each with the memory estimate behind it and the "
+        "plan's recommendation as default, then write a DeepSpeed JSON, a zerotrain train YAML and, on request, "
+        "an Accelerate config. Answers come from the flags, then standard input (an empty line takes the default).",
+    )
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="a local Hugging Face directory or config.json, a zerotrain train YAML, or an "
+                        "architecture name sized with --config-override (asked when left out)")
+    parser.add_argument("--config-override", action="append", default=[], metavar="KEY=VALUE", dest="config_overrides",
+                        help="a model config value, e.g. hidden_size=4096; repeatable")
+    for flag, what in _QUESTION_FLAGS:
+        parser.add_argument(flag, metavar="ANSWER", default=None, help=what)
+    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa", help="attention kernel (default sdpa)")
+    parser.add_argument("--nvme", metavar="PATH", default=None, help="a local NVMe folder for NVMe offload")
+    parser.add_argument("-y", "--yes", action="store_true", help="take the recommended answer for every question "
+                        "a flag does not answer")
+    parser.add_argument("--output-deepspeed", default="ds_config.json", metavar="PATH",
+                        help="the DeepSpeed JSON to write (default ds_config.json)")
+    parser.add_argument("--output-train", default="zerotrain.yaml", metavar="PATH",
+                        help="the zerotrain train YAML to write (default zerotrain.yaml)")
+    parser.add_argument("--accelerate-config", default=None, metavar="PATH",
+                        help="also write an Accelerate config YAML that uses the DeepSpeed JSON")
+    parser.add_argument("--force", action="store_true", help="overwrite files that exist")
+    parser.set_defaults(handler=run_init)
+
+
+def run_init(args: argparse.Namespace) -> int:
+    """0: configs written; 1: a config that does not fit was not confirmed; 2: a wrong answer or file."""
+    from zerotrain.config.errors import ConfigError
+    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.planning.config_wizard import Wizard, WizardError, run_questions
+    from zerotrain.planning.estimate_command import parse_config_overrides
+    from zerotrain.planning.model_source import load_meta_model
+    from zerotrain.train.data import DataError
+
+    outputs = [Path(p) for p in (args.output_deepspeed, args.output_train, args.accelerate_config) if p]
+    existing = [str(p) for p in outputs if p.exists()]
+    if existing and not args.force:
+        print_user_error("zerotrain init", ValueError(f"{existing[0]} exists; pass --force to overwrite it"))
+        return USAGE_EXIT_CODE
+    flags = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in _QUESTION_FLAGS}
+    flags.update(attention=args.attention, nvme=args.nvme, model=args.model)
+    wizard = Wizard(flags, assume_defaults=args.yes)
+    try:
+        source = wizard.ask("model", "Model (a Hugging Face directory, config.json, train YAML or architecture)",
+                            str, "llama")
+        model = load_meta_model(source, parse_config_overrides(args.config_overrides))
+        answers = run_questions(wizard, model, source)
+        estimate = answers["estimate"]
+        if not estimate.fits:
+            print(f"Warning: {answers['rung'].name} at micro-batch {answers['micro_batch']} does not fit: "
+                  + "; ".join(estimate.overflow))
+            if not wizard.ask("confirm", "Write it anyway (yes/no)", _yes, False):
+                print("Nothing written.")
+                return 1
+    except (WizardError, ConfigError, DataError, ValueError) as error:
+        print_user_error("zerotrain init", error)
+        return USAGE_EXIT_CODE
+    ds = deepspeed_config(answers)
+    _write(Path(args.output_deepspeed), json.dumps(ds, indent=2) + "\n")
+    _write(Path(args.output_train), yaml.safe_dump(train_config(answers, source, args.config_overrides, ds),
+                                                   sort_keys=False))
+    if args.accelerate_config:
+        _write(Path(args.accelerate_config), yaml.safe_dump(accelerate_config(answers, args.output_deepspeed),
+                                                            sort_keys=False))
+    e = answers["estimate"]
+    print(f"\n{answers['rung'].name}, micro-batch {answers['micro_batch']} x {answers['gradient_accumulation_steps']} "
+          f"accumulation: {format_gib(e.gpu_total)} per GPU. Wrote {', '.join(str(p) for p in outputs)}.")
+    return 0
+
+
+def deepspeed_config(a) -> dict[str, Any]:
+    """The answers as a DeepSpeed JSON: batch sizes explicit, the chosen ZeRO section."""
+    from zerotrain.planning.rung_memory import Workload, rung_config
+
+    work = Workload(a["seq_len"], a["micro_batch"], a["dtype"])
+    cfg = rung_config(a["rung"], work, None, a.values["hardware"].nvme_path)
+    cfg["gradient_accumulation_steps"] = a["gradient_accumulation_steps"]
+    cfg["train_batch_size"] = a["global_batch"]
+    if a["gradient_clipping"]:
+        cfg["gradient_clipping"] = a["gradient_clipping"]
+    return cfg
+
+
+def train_config(a, source: str, overrides: list[str], ds: dict[str, Any]) -> dict[str, Any]:
+    """A `zerotrain train` YAML: the model, synthetic data to replace, the batch and the ZeRO section."""
+    from zerotrain.planning.estimate_command import parse_config_overrides
+
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml"):
+        head: dict[str, Any] = {"inherit": [str(path.resolve())]}
+    else:
+        key = "path" if path.is_dir() and (path / "model.safetensors").exists() else (
+            "config" if path.suffix == ".json" or path.is_dir() else "architecture")
+        model: dict[str, Any] = {key: str(path.resolve()) if key != "architecture" else source}
+        if overrides:
+            model["config_overrides"] = parse_config_overrides(overrides)
+        head = {"model": model, "data": {"format": "synthetic", "seq_len": a["seq_len"]}}
+    return {
+        **head,
+        "training": {
+            "micro_batch_size": a["micro_batch"],
+            "gradient_accumulation_steps": a["gradient_accumulation_steps"],
+            "gradient_checkpointing": a["gradient_checkpointing"],
+            "precision": a["dtype"],
+            "grad_clip": a["gradient_clipping"],
+        },
+        "zero": {"zero_optimization": ds["zero_optimization"]},
+    }
+
+
+def accelerate_config(a, deepspeed_json: str) -> dict[str, Any]:
+    """An `accelerate config` file that hands the DeepSpeed JSON to Accelerate."""
+    hardware = a.values["hardware"]
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "deepspeed_config": {
+            "deepspeed_config_file": str(Path(deepspeed_json).resolve()),
+            "deepspeed_multinode_launcher": "standard",
+            "zero3_init_flag": bool(a["zero3_init"]),
+        },
+        "distributed_type": "DEEPSPEED",
+        "downcast_bf16": "no",
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "num_machines": hardware.nodes,
+        "num_processes": hardware.world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+
+
+def format_gib(n: int) -> str:
+    from zerotrain.planning.rung_memory import format_bytes
+
+    return format_bytes(n)
+
+
+def _yes(text: str) -> bool:
+    from zerotrain.planning.config_wizard import _yes_no
+
+    return _yes_no(text)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # a config is never left half written
