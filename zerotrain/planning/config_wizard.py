@@ -39,8 +39,9 @@ class Wizard:
 
     flags: dict[str, Any]
     assume_defaults: bool = False
-    inp: TextIO = sys.stdin
-    out: TextIO = sys.stdout
+    # Looked up when a wizard is made, so redirected streams are the ones used.
+    inp: TextIO = field(default_factory=lambda: sys.stdin)
+    out: TextIO = field(default_factory=lambda: sys.stdout)
     answers: Answers = field(default_factory=Answers)
     _input_ended: bool = False
 
