@@ -26,6 +26,7 @@ from zerotrain.distributed import read_launch_env
 from zerotrain.engine_accessors import DeepSpeedAccessors
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.precision import build_loss_scaler
+from zerotrain.profiling.engine_profiler import EngineFlopsProfiler
 from zerotrain.teardown import own_group
 from zerotrain.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
@@ -126,6 +127,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._inside_no_sync = False
         self._client_optimizer_missing = client_optimizer is None
         self.timers = WallClockBreakdown(config.wall_clock_breakdown, device)
+        self.flops_profiler = EngineFlopsProfiler(self) if config.flops_profiler.enabled else None
         # Checkpoint calls meet on a Gloo group with a timeout; creating a group is itself a
         # collective, so it happens here, where every rank is, not in the first save.
         self._checkpoint_group_handle = own_group(dist.new_group(backend="gloo") if self.world_size > 1 else None)
@@ -177,8 +179,14 @@ class Engine(DeepSpeedAccessors, nn.Module):
     def forward(self, *args, **kwargs):
         if self.parsed_config.fp16.enabled and self.parsed_config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
+        profiler = self.flops_profiler
+        if profiler is not None:
+            profiler.before_forward()
         with self.timers.measure("forward"):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        if profiler is not None:
+            profiler.after_forward()
+        return out
 
     def backward(
         self,
@@ -197,14 +205,22 @@ class Engine(DeepSpeedAccessors, nn.Module):
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         if scale_wrt_gas:
             scale /= self.gradient_accumulation_steps()
+        if self.flops_profiler is not None:
+            self.flops_profiler.before_backward()
         with self.timers.measure("backward"):
             (loss * scale).backward(retain_graph=retain_graph)
+        if self.flops_profiler is not None:
+            self.flops_profiler.after_backward()
         return loss
 
     def step(self) -> None:
         """Counts a micro-step; at the accumulation boundary, updates the weights."""
+        if self.flops_profiler is not None:
+            self.flops_profiler.before_step()
         with self.timers.measure("step"):
             self._step()
+        if self.flops_profiler is not None:
+            self.flops_profiler.after_step()
 
     def _step(self) -> None:
         self._step_applied = False  # until this call updates the weights (was_step_applied)

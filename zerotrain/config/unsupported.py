@@ -139,12 +139,6 @@ NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
         "call model.gradient_checkpointing_enable() instead",
     ),
     NotYetBuilt(
-        "the FLOPs profiler",
-        "flops_profiler.enabled",
-        _when(lambda cfg: cfg.flops_profiler.enabled),
-        "set flops_profiler.enabled to false",
-    ),
-    NotYetBuilt(
         "the autotuner",
         "autotuning.enabled",
         _when(lambda cfg: cfg.autotuning.enabled),
