@@ -440,7 +440,6 @@ def test_resolve_with_a_real_llama_model():
     [
         ({"zero_optimization": {"elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
-        ({"autotuning": {"enabled": True}}, "autotuning.enabled"),
         ({"checkpoint": {"load_universal": True}}, "checkpoint"),
         ({"amp": {"enabled": True}}, "amp"),
     ],

@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     from zerotrain.planning.estimate_command import add_estimate_parser
     from zerotrain.planning.plan_command import add_plan_parser
     from zerotrain.planning.wizard_command import add_init_parser
+    from zerotrain.autotuning.tune_command import add_tune_parser
     from zerotrain.run_command import add_run_command_parser
     from zerotrain.train.command import add_run_parsers
 
@@ -201,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_estimate_parser(subparsers)
     add_plan_parser(subparsers)
     add_init_parser(subparsers)
+    add_tune_parser(subparsers)
 
     add_run_parsers(subparsers)
     return parser

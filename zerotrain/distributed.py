@@ -7,6 +7,8 @@ paper's 2Ψ / 3Ψ) — counted at the torch.distributed call, not estimated.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -119,24 +121,43 @@ class CommCounter:
 
 
 COMM_COUNTER = CommCounter()
+# The group engine collectives use when they name none: the default group, unless `collectives_on`.
+_collective_group = None
+
+
+@contextlib.contextmanager
+def collectives_on(group):
+    """Runs zerotrain's collectives (those that name no group) on `group`: the autotuner gives each
+    trial a group of its own with a short timeout, so a rank that fails mid-trial cannot leave the
+    others waiting forever, and the failed group is never used again."""
+    global _collective_group
+    previous, _collective_group = _collective_group, group
+    try:
+        yield group
+    finally:
+        _collective_group = previous
+
+
+def _resolve(group):
+    return group if group is not None else _collective_group
 
 
 def all_reduce(t: torch.Tensor, purpose: str, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
     """In-place all-reduce of `t`, counted as 2·numel."""
     COMM_COUNTER.add(purpose, 2 * t.numel())
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    return dist.all_reduce(t, op=op, group=_resolve(group), async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, purpose: str, group=None, async_op: bool = False):
     """Sums `inp` over ranks and leaves rank r's 1/N chunk in `out`; counted as inp.numel()."""
     COMM_COUNTER.add(purpose, inp.numel())
-    return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=_resolve(group), async_op=async_op)
 
 
 def reduce_scatter_is_all_reduce(group=None) -> bool:
     """Gloo implements reduce_scatter_tensor as an all-reduce of a clone of its input, then a copy of
     the rank's chunk: on Gloo `reduce_scatter_in_place` moves the same data without the clone."""
-    return dist.get_backend(group) == "gloo"
+    return dist.get_backend(_resolve(group)) == "gloo"
 
 
 def reduce_scatter_in_place(t: torch.Tensor, purpose: str, group=None, async_op: bool = False):
@@ -146,16 +167,16 @@ def reduce_scatter_in_place(t: torch.Tensor, purpose: str, group=None, async_op:
     Counted as the reduce-scatter it stands for, t.numel().
     """
     COMM_COUNTER.add(purpose, t.numel())
-    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_resolve(group), async_op=async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, purpose: str, group=None, async_op: bool = False):
     """Concatenates every rank's `inp` into `out` (rank order); counted as out.numel()."""
     COMM_COUNTER.add(purpose, out.numel())
-    return _all_gather(out, inp, group=group, async_op=async_op)
+    return _all_gather(out, inp, group=_resolve(group), async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, purpose: str, group=None) -> None:
     """Broadcast from global rank `src`; counted as numel."""
     COMM_COUNTER.add(purpose, t.numel())
-    dist.broadcast(t, src=src, group=group)
+    dist.broadcast(t, src=src, group=_resolve(group))

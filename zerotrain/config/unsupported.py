@@ -139,12 +139,6 @@ NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
         "call model.gradient_checkpointing_enable() instead",
     ),
     NotYetBuilt(
-        "the autotuner",
-        "autotuning.enabled",
-        _when(lambda cfg: cfg.autotuning.enabled),
-        "set autotuning.enabled to false",
-    ),
-    NotYetBuilt(
         "checkpoint I/O options",
         "checkpoint",
         _non_default("checkpoint", CheckpointConfig()),

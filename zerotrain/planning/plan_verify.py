@@ -14,15 +14,11 @@ the plan falls to the next rung, saying so.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import socket
-import tempfile
-import uuid
-from dataclasses import replace
 
 import torch
 
+from zerotrain.planning.local_job import recorded
 from zerotrain.planning.planner import Plan, make_plan
 from zerotrain.planning.rung_memory import format_bytes
 
@@ -90,43 +86,23 @@ def _describe(plan: Plan, m: dict, predicted: int, fits: bool) -> str:
 
 
 def _run(plan: Plan, model, base: dict | None) -> dict:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from zerotrain.planning.local_job import run_local_job
 
     ds = plan.deepspeed_config(base)
     work = plan.workload_at_choice()
-    hw = plan.hardware
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=hw.world_size, run_id=f"zerotrain-verify-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", rdzv_configs={"is_host": True},
-    )
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    with tempfile.TemporaryDirectory() as logs:
-        config = replace(config, logs_specs=_quiet_logs(logs)) if hasattr(config, "logs_specs") else config
-        # A failed rung is reported by the plan, not as the launcher's stack dumps.
-        loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
-        levels = [log.level for log in loggers]
-        for log in loggers:
-            log.setLevel(logging.CRITICAL)
-        try:
-            # A rank that runs out of memory raises: the agent then stops every rank, so none is
-            # left waiting in a collective for it.
-            results = elastic_launch(config, _worker)(
-                model.config.to_dict(), ds, work.seq_len, work.micro_batch, plan.accumulation, work.attention,
-                plan.choice.rung.gradient_checkpointing,
-            )
-        except ChildFailedError as error:
-            oom = sorted(rank for rank, f in error.failures.items() if _is_oom(f.message))
-            if oom:
-                return {"oom": True, "oom_rank": oom[0]}
-            raise RuntimeError(f"--verify: the verification run failed:\n{error}") from None
-        finally:
-            for log, level in zip(loggers, levels):
-                log.setLevel(level)
+    try:
+        # A rank that runs out of memory raises: the agent then stops every rank, so none is
+        # left waiting in a collective for it.
+        results = run_local_job(_worker, plan.hardware.world_size, model.config.to_dict(), ds, work.seq_len,
+                                work.micro_batch, plan.accumulation, work.attention,
+                                plan.choice.rung.gradient_checkpointing, name="zerotrain-verify")
+    except ChildFailedError as error:
+        oom = sorted(rank for rank, f in error.failures.items() if _is_oom(f.message))
+        if oom:
+            return {"oom": True, "oom_rank": oom[0]}
+        raise RuntimeError(f"--verify: the verification run failed:\n{error}") from None
     first = results[0]
     return {"oom": False, **{k: max(r[k] or 0 for r in results.values()) if first[k] is not None else None
                              for k in ("model_states", "activations", "peak_allocated")}}
@@ -137,21 +113,7 @@ def _is_oom(message) -> bool:
     return "OutOfMemoryError" in text or "out of memory" in text
 
 
-def _quiet_logs(folder: str):
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-
-    # The ranks' output goes to files: the plan's own output (JSON too) stays clean.
-    return DefaultLogsSpecs(log_dir=folder, redirects=Std.ALL)
-
-
-def _recorded(fn):
-    """torch's `record`: a rank's exception reaches the launcher in its error file (OOM is told apart)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    return record(fn)
-
-
-@_recorded
+@recorded
 def _worker(config_dict: dict, ds: dict, seq_len: int, micro: int, accumulation: int, attention: str,
             checkpointing: bool) -> dict:
     """One rank: build, train `STEPS` steps on random tokens, report bytes (or the OOM)."""
