@@ -33,6 +33,7 @@ confirms the answer with one:
 | `zerotrain estimate MODEL` | the memory of every rung, per GPU and per node (`--deepspeed-format`: DeepSpeed's tables) |
 | `zerotrain plan MODEL --gpus 8 --gpu-memory 80GB --global-batch 256` | the fastest rung that fits, micro-batch and accumulation, why nothing faster fits, the minimum GPU count; `--verify` runs 3 real steps |
 | `zerotrain init` | the config wizard: `accelerate config`'s questions, each answered with its estimate (below) |
+| `zerotrain tune TRAIN_YAML` | times the candidates that fit, in one job, and picks the fastest ([tuning.md](tuning.md)) |
 
 MODEL is a local Hugging Face directory or `config.json`, a `zerotrain train` YAML, or an
 architecture name sized with `--config-override`. The model is built on the meta device: no

@@ -34,7 +34,6 @@ class Experiment:
         cfg["train_batch_size"] = global_batch
         cfg.pop("autotuning", None)
         cfg.pop("flops_profiler", None)
-        cfg["steps_per_print"] = 10**9  # progress lines would be timed too
         if self.reduce_bucket_size is not None:
             cfg["zero_optimization"]["reduce_bucket_size"] = self.reduce_bucket_size
         return cfg

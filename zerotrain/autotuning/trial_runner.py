@@ -91,7 +91,7 @@ def _timed_trial(job: dict, exp: dict, index: int, rank: int, group) -> dict:
 
     import zerotrain
 
-    ds = exp["config"]
+    ds = {**exp["config"], "steps_per_print": 10**9}  # progress lines would be timed too
     hf_config = AutoConfig.for_model(**job["model_config"])
     torch.manual_seed(0)
     with zerotrain.zero.Init(config_dict_or_path=ds, enabled=ds["zero_optimization"]["stage"] == 3):

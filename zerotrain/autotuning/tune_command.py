@@ -94,7 +94,8 @@ def run_tune(args: argparse.Namespace) -> int:
     pruned_rows = [{"name": p.name, "reason": p.reason} for p in pruned]
     best = write_results(Path(tuning.results_dir), Path(tuning.exps_dir), exps, records, pruned_rows,
                          tuning.metric, tuning.overwrite)
-    predicted = plan.choice.rung.name if plan and plan.choice else None
+    predicted = (f"{plan.choice.rung.name} at micro-batch {plan.choice.micro_batch}"
+                 if plan and plan.choice else None)
     if args.json:
         print(json.dumps({"records": records, "pruned": pruned_rows, "best": best, "plan": predicted}, indent=2))
     else:
