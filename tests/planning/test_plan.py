@@ -207,3 +207,15 @@ def test_a_guides_deepspeed_config_with_auto_values_is_a_base_for_every_rung(fix
     for rung in ladder(allow_nvme=False):
         est = estimate_rung(model, rung, Workload(64, 1, "bf16"), Hardware(2), base)
         assert est.gpu_total > 0
+
+
+def test_a_train_yaml_gives_the_model_sequence_length_and_micro_batch(zerotrain_cli):
+    import yaml
+
+    (zerotrain_cli.cwd / "run.yaml").write_text(yaml.safe_dump({
+        "model": {"architecture": "llama", "tokenizer": "byte", "config_overrides": TINY},
+        "data": {"format": "synthetic", "seq_len": 96}, "training": {"micro_batch_size": 3},
+    }))
+    done = zerotrain_cli("estimate", "run.yaml", "--json", check=True)  # a fresh process: no import-order luck
+    workload = json.loads(done.stdout)["workload"]
+    assert (workload["seq_len"], workload["micro_batch"]) == (96, 3)

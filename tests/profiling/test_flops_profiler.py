@@ -95,7 +95,7 @@ def _train(world: int, stage: int, profile: bool, out: str | None) -> tuple[list
     return losses, report, sum(p.numel() for p in make_model().parameters())
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_the_engine_writes_the_report_at_profile_step_and_trains_the_same(stage, tmp_path):
     out = tmp_path / "flops.txt"
     profiled = run_on_ranks(2, _train, 2, stage, True, str(out))

@@ -30,8 +30,8 @@ def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
     pa.add_model_args(parser)
     parser.add_argument("--gpus-per-node", type=pa.positive_int, default=1, metavar="N", help="GPUs per node (default 1)")
     parser.add_argument("--nodes", type=pa.positive_int, default=1, metavar="N", help="nodes (default 1)")
-    parser.add_argument("--micro-batch", type=pa.positive_int, default=1, metavar="B",
-                        help="samples per GPU per forward (default 1)")
+    parser.add_argument("--micro-batch", type=pa.positive_int, default=None, metavar="B",
+                        help="samples per GPU per forward (default: a train YAML's training.micro_batch_size, else 1)")
     pa.add_workload_args(parser)
     pa.add_memory_args(parser)
     parser.add_argument(
@@ -81,7 +81,9 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     from zerotrain.planning.rung_memory import Workload, estimate_rung
 
     hardware = pa.hardware(args.gpus_per_node, args.nodes, args)
-    workload = Workload(pa.seq_len(args, model), args.micro_batch, pa.compute_dtype(args, base), args.attention)
+    train = pa.train_yaml(args)
+    micro = args.micro_batch or (train.training.micro_batch_size if train is not None else 1)
+    workload = Workload(pa.seq_len(args, model), micro, pa.compute_dtype(args, base), args.attention)
     rows = [estimate_rung(model, rung, workload, hardware, base)
             for rung in ladder(allow_nvme=True, checkpointing=args.gradient_checkpointing)]
     text = describe_setup(args.model, total, hardware, workload) + "\n" + format_rung_table(rows, hardware)

@@ -30,7 +30,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=positive_int, default=None, metavar="S",
-                        help=f"tokens per sample (default {DEFAULT_SEQ_LEN}, or the model's limit if smaller)")
+                        help=f"tokens per sample (default: a train YAML's data.seq_len, else {DEFAULT_SEQ_LEN} "
+                        "or the model's limit if smaller)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                         help="compute dtype (default: the --deepspeed config's, else bf16)")
     parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
@@ -89,10 +90,24 @@ def compute_dtype(args: argparse.Namespace, base: dict[str, Any] | None) -> str:
     return "bf16"
 
 
+def train_yaml(args: argparse.Namespace):
+    """MODEL's `zerotrain train` config when MODEL is one (its data and batch are defaults), else None."""
+    if not str(args.model).endswith((".yaml", ".yml")):
+        return None
+    from pathlib import Path
+
+    from zerotrain.train.config import load_train_config  # config.py first: it re-exports config_files
+
+    return load_train_config(Path(args.model))
+
+
 def seq_len(args: argparse.Namespace, model) -> int:
-    """--seq-len, else 2048 capped at the model's position limit."""
+    """--seq-len, else a train YAML's data.seq_len, else 2048 capped at the model's position limit."""
     if args.seq_len:
         return args.seq_len
+    cfg = train_yaml(args)
+    if cfg is not None:
+        return cfg.data.seq_len
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN
 
