@@ -1,5 +1,10 @@
 """Shared test fixtures. `run_on_ranks` is THE way tests run code on N Gloo processes; `ssh_cluster`
-and `make_ssh_nodes` give real sshd "nodes" on loopback addresses (launcher and bench tests)."""
+and `make_ssh_nodes` give real sshd "nodes" on loopback addresses (launcher and bench tests).
+
+Tests that must also run on a GPU take a parameter made by `on_gpu(...)`: the same test, marked
+`cuda`, run as a world of 1 over NCCL. Without CUDA such cases are skipped with "requires CUDA";
+`make gpu-check` selects them with `-m cuda` (docs/gpu.md). Under GPU_CHECK_DRY=1 they run on the
+CPU (Gloo, world of 1), so the GPU check's own scripts are exercised by CI."""
 
 from __future__ import annotations
 
@@ -14,6 +19,31 @@ import pytest
 import torch.multiprocessing as mp
 
 FIXTURES = Path(__file__).parent / "fixtures"
+GPU_CHECK_DRY = os.environ.get("GPU_CHECK_DRY") == "1"
+
+
+# --- the same tests on the CPU and on one GPU -----------------------------------------------
+
+def on_gpu(value, id: str):
+    """A parameter for a test's one-GPU case: marked `cuda` (skipped without CUDA, selected by the GPU check)."""
+    return pytest.param(value, marks=pytest.mark.cuda, id=id)
+
+
+def device_env(device: str) -> dict[str, str]:
+    """Environment for a process of a test case on `device` ("cpu" or "gpu"): a CPU case hides the
+    GPUs, so it tests the same thing on a GPU machine as in CI; a GPU case leaves them visible."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    import torch
+
+    if torch.cuda.is_available() or GPU_CHECK_DRY:
+        return
+    requires_cuda = pytest.mark.skip(reason="requires CUDA")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(requires_cuda)
 
 
 def _free_port() -> int:
@@ -59,13 +89,14 @@ def start_ranks(world_size: int, fn, *args, env: dict | None = None):
     return procs, queue
 
 
-def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> list:
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0, device: str = "cpu") -> list:
     """Runs `fn(*args)` on `world_size` fresh processes (env set as torchrun does).
 
     `fn` must be a module-level function. Returns the per-rank results, rank order.
     A rank's exception fails the test with that rank's traceback; a hang fails at `timeout`.
+    `device="gpu"` leaves the GPUs visible (the engine then takes NCCL and cuda:LOCAL_RANK).
     """
-    procs, queue = start_ranks(world_size, fn, *args)
+    procs, queue = start_ranks(world_size, fn, *args, env=device_env(device))
     results: dict[int, object] = {}
     errors: list[str] = []
     try:

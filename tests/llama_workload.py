@@ -49,20 +49,27 @@ def global_batch(step: int) -> torch.Tensor:
     return (starts + strides * torch.arange(SEQ)) % VOCAB
 
 
-def train_reference(steps: int = STEPS, **model_kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain torch.optim.AdamW on the whole global batch."""
-    model = make_model(**model_kwargs)
+def reference_device(device: str) -> torch.device:
+    """Where a test case's plain-torch reference trains: its GPU for a "gpu" case when there is one
+    (a dry GPU check has none: its "gpu" cases run on the CPU, as the engine does then)."""
+    return torch.device("cuda") if device == "gpu" and torch.cuda.is_available() else torch.device("cpu")
+
+
+def train_reference(steps: int = STEPS, device: str = "cpu", **model_kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, plain torch.optim.AdamW on the whole global batch; weights returned on the CPU."""
+    where = reference_device(device)
+    model = make_model(**model_kwargs).to(where)
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     losses = []
     for step in range(steps):
-        ids = global_batch(step)
+        ids = global_batch(step).to(where)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def zero_config(stage: int, world: int, gas: int, dtype: str = "fp32", **zero_extra) -> dict:
@@ -106,7 +113,7 @@ def train_zerotrain(config: dict, steps: int = STEPS, **model_kwargs) -> dict:
         for m in range(gas):
             # Global batch split as [micro-step][rank][micro batch], so ranks x micro-steps cover it once.
             start = (m * world + rank) * micro
-            chunk = ids[start : start + micro]
+            chunk = ids[start : start + micro].to(engine.device)
             loss = engine(input_ids=chunk, labels=chunk).loss
             engine.backward(loss)
             engine.step()
@@ -115,5 +122,5 @@ def train_zerotrain(config: dict, steps: int = STEPS, **model_kwargs) -> dict:
     from zerotrain.zero import GatheredParameters
 
     with GatheredParameters(list(engine.module.parameters())):  # whole under stage 3 too
-        weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        weights = {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
     return {"losses": losses, "weights": weights, "engine": engine}

@@ -1,11 +1,15 @@
-"""Stop anywhere, go on exactly: resume equality and resharding across world sizes and stages."""
+"""Stop anywhere, go on exactly: resume equality and resharding across world sizes and stages.
+
+On a GPU (`gpu-*` cases): resume on a world of 1 over NCCL, and checkpoints moved between a CPU
+world of 2 and the GPU, in both directions, and between stages on the GPU.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import run_on_ranks
+from conftest import on_gpu, run_on_ranks
 from llama_workload import global_batch, make_model, param_groups, zero_config
 
 K, M = 3, 3  # steps before the checkpoint, steps after it
@@ -38,7 +42,7 @@ def _segment(config: dict, first: int, last: int, load_dir=None, save_dir=None) 
     for step in range(first, last):
         ids = global_batch(step)
         for m in range(gas):
-            chunk = ids[(m * world + rank) * micro :][:micro]
+            chunk = ids[(m * world + rank) * micro :][:micro].to(engine.device)
             loss = engine(input_ids=chunk, labels=chunk).loss
             engine.backward(loss)
             engine.step()
@@ -49,7 +53,7 @@ def _segment(config: dict, first: int, last: int, load_dir=None, save_dir=None) 
     from zerotrain.zero import GatheredParameters
 
     with GatheredParameters(list(engine.module.parameters())):
-        weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        weights = {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
     return {
         "losses": losses,
         "weights": weights,
@@ -71,14 +75,17 @@ def _run_all(jobs: list[tuple]) -> list[dict]:
     return [_segment(*job) for job in jobs]
 
 
-@pytest.fixture(scope="module")
-def resume_runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=[(RESUME_WORLD, "cpu"), on_gpu((1, "gpu"), "gpu-world1")],
+                ids=lambda p: f"world{p[0]}")
+def resume_runs(request, tmp_path_factory):
     """Per case: an uninterrupted run, and a run stopped after K steps then resumed in new processes."""
+    world, device = request.param
     root = tmp_path_factory.mktemp("resume")
-    configs = [_config(s, RESUME_WORLD, g, d) for s, g, d in CASES]
+    configs = [_config(s, world, g, d) for s, g, d in CASES]
     first = [(cfg, 0, K + M) for cfg in configs] + [(cfg, 0, K, None, str(root / str(i))) for i, cfg in enumerate(configs)]
-    whole = run_on_ranks(RESUME_WORLD, _run_all, first)
-    resumed = run_on_ranks(RESUME_WORLD, _run_all, [(cfg, K, K + M, str(root / str(i))) for i, cfg in enumerate(configs)])
+    whole = run_on_ranks(world, _run_all, first, device=device)
+    resumed = run_on_ranks(world, _run_all, [(cfg, K, K + M, str(root / str(i))) for i, cfg in enumerate(configs)],
+                           device=device)
     return {case: ([w[i] for w in whole], [r[i] for r in resumed]) for i, case in enumerate(CASES)}
 
 
@@ -93,32 +100,43 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(resume_runs, case):
         assert r["lr"] == w["lr"] and r["scale"] == w["scale"] and r["skipped"] == w["skipped"]
 
 
-# (world, stage) saved -> (world, stage) loaded
+# (world, stage, device) saved -> (world, stage, device) loaded
 RESHARD = [((4, 2), (2, 2)), ((2, 2), (1, 0)), ((2, 2), (2, 0)), ((2, 1), (4, 2)), ((2, 2), (2, 3)), ((4, 3), (1, 0))]
+RESHARD = [((*a, "cpu"), (*b, "cpu")) for a, b in RESHARD]
+RESHARD_GPU = [((2, 2, "cpu"), (1, 3, "gpu")), ((1, 3, "gpu"), (1, 0, "gpu")), ((1, 1, "gpu"), (2, 2, "cpu"))]
+
+
+def _reshard_id(before, after) -> str:
+    def side(world, stage, device):
+        return f"{'gpu-' if device == 'gpu' else ''}world{world}-stage{stage}"
+
+    return f"{side(*before)}-to-{side(*after)}"
 
 
 @pytest.fixture(scope="module")
-def reshard_runs(tmp_path_factory):
-    """Saves at (N, s), goes on at (N, s) as the reference, and at (M, t) from the same checkpoint.
+def reshard_runs(request, tmp_path_factory):
+    """Saves at (N, s), goes on at (N, s) as the reference, and at (M, t) from the same checkpoint,
+    for the cases of one group ("cpu": RESHARD, "gpu": RESHARD_GPU; indirect from the test's parameter).
 
-    Jobs are grouped by world size so that each world is spawned once per phase.
+    Jobs are grouped by (world size, device) so that each is spawned once per phase.
     """
+    cases = RESHARD_GPU if request.param == "gpu" else RESHARD
     root = tmp_path_factory.mktemp("reshard")
-    ckpt = {before: str(root / f"w{before[0]}s{before[1]}") for before, _ in RESHARD}
-    jobs: dict[int, list] = {}
-    for (n, s), path in ckpt.items():
-        jobs.setdefault(n, []).append(("save", (n, s), (_config(s, n, 1), 0, K, None, path)))
-        jobs[n].append(("go_on", (n, s), (_config(s, n, 1), K, K + M, path)))
+    ckpt = {before: str(root / f"w{before[0]}s{before[1]}{before[2]}") for before, _ in cases}
+    jobs: dict[tuple, list] = {}
+    for (n, s, dev), path in ckpt.items():
+        jobs.setdefault((n, dev), []).append(("save", (n, s, dev), (_config(s, n, 1), 0, K, None, path)))
+        jobs[(n, dev)].append(("go_on", (n, s, dev), (_config(s, n, 1), K, K + M, path)))
     results: dict = {}
-    for n in sorted(jobs, reverse=True):
-        out = run_on_ranks(n, _run_all, [job for _, _, job in jobs[n]])
-        for i, (kind, key, _) in enumerate(jobs[n]):
+    for n, dev in sorted(jobs, reverse=True):
+        out = run_on_ranks(n, _run_all, [job for _, _, job in jobs[(n, dev)]], device=dev)
+        for i, (kind, key, _) in enumerate(jobs[(n, dev)]):
             results[(kind, key)] = [rank[i] for rank in out]
-    moved_jobs: dict[int, list] = {}
-    for before, (m, t) in RESHARD:
-        moved_jobs.setdefault(m, []).append(((before, (m, t)), (_config(t, m, 1), K, K + M, ckpt[before])))
-    for m, items in moved_jobs.items():
-        out = run_on_ranks(m, _run_all, [job for _, job in items])
+    moved_jobs: dict[tuple, list] = {}
+    for before, (m, t, dev) in cases:
+        moved_jobs.setdefault((m, dev), []).append(((before, (m, t, dev)), (_config(t, m, 1), K, K + M, ckpt[before])))
+    for (m, dev), items in moved_jobs.items():
+        out = run_on_ranks(m, _run_all, [job for _, job in items], device=dev)
         for i, (key, _) in enumerate(items):
             results[("moved", key)] = [rank[i] for rank in out]
     return results
@@ -128,7 +146,12 @@ def _global_losses(ranks: list[dict]) -> list[float]:
     return [sum(step) / len(ranks) for step in zip(*[r["losses"] for r in ranks])]
 
 
-@pytest.mark.parametrize("before,after", RESHARD, ids=[f"world{a[0]}-stage{a[1]}-to-world{b[0]}-stage{b[1]}" for a, b in RESHARD])
+@pytest.mark.parametrize(
+    "reshard_runs,before,after",
+    [pytest.param("cpu", a, b, id=_reshard_id(a, b)) for a, b in RESHARD]
+    + [pytest.param("gpu", a, b, id=_reshard_id(a, b), marks=pytest.mark.cuda) for a, b in RESHARD_GPU],
+    indirect=["reshard_runs"],
+)
 def test_checkpoint_loads_at_another_world_size_and_stage(reshard_runs, before, after):
     go_on = reshard_runs[("go_on", before)]
     moved = reshard_runs[("moved", (before, after))]

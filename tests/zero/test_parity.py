@@ -1,7 +1,8 @@
 """Every ZeRO stage reproduces single-process training on the same global batch.
 
 One spawn per world size runs every (stage, accumulation) case; the tests below
-check each case against the plain-torch reference.
+check each case against the plain-torch reference. On a GPU the same cases run as a
+world of 1 over NCCL (`gpu-world1`), against a reference trained on the same GPU.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import tempfile
 import pytest
 import torch
 
-from conftest import run_on_ranks
+from conftest import on_gpu, run_on_ranks
 from llama_workload import GLOBAL_BATCH, train_reference, train_zerotrain, zero_config
 
 STAGES = (0, 1, 2, 3)
@@ -32,7 +33,7 @@ def _all_cases(world: int) -> dict:
         for gas in ACCUMULATION:
             run = train_zerotrain(zero_config(stage, world, gas))
             out[(stage, gas)] = {"losses": run["losses"], "weights": run["weights"]}
-    for stage in (2, 3):
+    for stage in STAGES:
         for dtype in ("bf16", "fp16"):
             run = train_zerotrain(zero_config(stage, world, 1, dtype))
             out[(stage, dtype)] = {"losses": run["losses"], "weights": run["weights"]}
@@ -78,15 +79,17 @@ OFFLOAD_CASES = (  # (name, stage, dtype, accumulation steps, zero_optimization 
 )
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[(2, "cpu"), (4, "cpu"), on_gpu((1, "gpu"), "gpu-world1")],
+                ids=lambda p: f"world{p[0]}")
 def world_runs(request):
-    world = request.param
-    return world, run_on_ranks(world, _all_cases, world)
+    """(world size, device, per-rank results of every case)."""
+    world, device = request.param
+    return world, device, run_on_ranks(world, _all_cases, world, device=device)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return train_reference()
+def reference(world_runs):
+    return train_reference(device=world_runs[1])
 
 
 def _global_losses(per_rank: list[dict], key) -> list[float]:
@@ -109,7 +112,7 @@ def _assert_weights_close(weights: dict, ref: dict, rtol: float) -> None:
 @pytest.mark.parametrize("gas", ACCUMULATION, ids=lambda g: f"accum{g}")
 @pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage{s}")
 def test_fp32_stage_matches_single_process_training(world_runs, reference, stage, gas):
-    world, per_rank = world_runs
+    world, _, per_rank = world_runs
     ref_losses, ref_weights = reference
     assert GLOBAL_BATCH % (world * gas) == 0
     losses = _global_losses(per_rank, (stage, gas))
@@ -119,11 +122,11 @@ def test_fp32_stage_matches_single_process_training(world_runs, reference, stage
         _assert_weights_close(r[(stage, gas)]["weights"], ref_weights, rtol=1e-5)
 
 
-@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"stage{s}")
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage{s}")
 @pytest.mark.parametrize("dtype,tol", [("bf16", 3e-2), ("fp16", 1e-2)])
 def test_half_precision_follows_fp32_within_tolerance(world_runs, reference, stage, dtype, tol):
     """bf16 keeps 8 bits of mantissa, fp16 11: the loss curve stays within `tol` (relative) of fp32."""
-    _, per_rank = world_runs
+    _, _, per_rank = world_runs
     ref_losses, _ = reference
     losses = _global_losses(per_rank, (stage, dtype))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=0.0)
@@ -131,7 +134,7 @@ def test_half_precision_follows_fp32_within_tolerance(world_runs, reference, sta
 
 @pytest.mark.parametrize("case", [c[0] for c in SCALING_CASES])
 def test_gradient_prescaling_and_predivision_do_not_change_training(world_runs, reference, case):
-    _, per_rank = world_runs
+    _, _, per_rank = world_runs
     ref_losses, ref_weights = reference
     torch.testing.assert_close(torch.tensor(_global_losses(per_rank, case)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     _assert_weights_close(per_rank[0][case]["weights"], ref_weights, rtol=1e-5)
@@ -140,7 +143,7 @@ def test_gradient_prescaling_and_predivision_do_not_change_training(world_runs, 
 @pytest.mark.parametrize("case", [c for c in OFFLOAD_CASES], ids=[c[0] for c in OFFLOAD_CASES])
 def test_offload_matches_single_process_training(world_runs, reference, case):
     name, _, dtype, _, _ = case
-    _, per_rank = world_runs
+    _, _, per_rank = world_runs
     ref_losses, ref_weights = reference
     rtol = 1e-5 if dtype == "fp32" else 3e-2
     torch.testing.assert_close(torch.tensor(_global_losses(per_rank, name)), torch.tensor(ref_losses), rtol=rtol, atol=1e-6)
@@ -149,15 +152,15 @@ def test_offload_matches_single_process_training(world_runs, reference, case):
 
 
 def test_bf16_with_fp32_communication_follows_fp32(world_runs, reference):
-    _, per_rank = world_runs
+    _, _, per_rank = world_runs
     ref_losses, _ = reference
     torch.testing.assert_close(torch.tensor(_global_losses(per_rank, "bf16-fp32-comm")), torch.tensor(ref_losses), rtol=3e-2, atol=0.0)
 
 
 @pytest.mark.parametrize("key", ["features", "features-stage3"])
 def test_tied_frozen_and_unused_parameters_match_reference(world_runs, key):
-    _, per_rank = world_runs
-    ref_losses, ref_weights = train_reference(tied=True, extra_unused=True, freeze_one=True)
+    _, device, per_rank = world_runs
+    ref_losses, ref_weights = train_reference(device=device, tied=True, extra_unused=True, freeze_one=True)
     torch.testing.assert_close(torch.tensor(_global_losses(per_rank, key)), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     # torch.optim skips a parameter whose grad is None, while ZeRO (like DeepSpeed) steps it with a
     # zero gradient, so weight decay still shrinks the unused head: compare it separately.
