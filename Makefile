@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test stress bench install clean
+.PHONY: demo test check stress bench install gpu-wheels gpu-check clean
 
 $(VENV)/.torch-$(firstword $(TORCH)):
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,23 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/zerotrain train --overwrite  # a demo re-runs from scratch; real runs refuse to overwrite
 
-test: install
-	$(PY) -m pytest -q
+# The whole suite (CI runs this). It includes the dry GPU check, which installs the GPU wheels.
+test: install gpu-wheels
+	$(PY) -m pytest -q --durations=25
+
+# The GPU check kit (docs/gpu.md). gpu-wheels: every wheel the GPU machine lacks, into the ignored
+# .whl/ (network needed once). gpu-check: all three parts; on a GPU machine with its own python3,
+# or GPU_CHECK_DRY=1 on a CPU machine (this venv, Gloo, tiny sizes), which `make test` also runs.
+gpu-wheels: install
+	$(PY) benchmarks/gpu/wheels.py --dest .whl
+
+gpu-check:
+ifeq ($(GPU_CHECK_DRY),1)
+	$(MAKE) gpu-wheels
+	PYTHON=$(abspath $(PY)) benchmarks/gpu/run.sh all
+else
+	benchmarks/gpu/run.sh all
+endif
 
 # 105 runs of a DeepSpeed-style script that ends without destroy_process_group (stages 0-3,
 # offload none/cpu): every one must exit 0 with no crash at interpreter exit.

@@ -19,7 +19,7 @@ from zerotrain.bench.bandwidth import (
 
 from zerotrain.bench.comm import run_worker
 
-from conftest import zerotrain_script
+from conftest import device_env, on_gpu, zerotrain_script
 
 MB = 1 << 20
 
@@ -172,6 +172,29 @@ def test_comm_on_two_nodes_prints_every_collective_and_size_and_the_pair(make_ss
     assert pair["busbw_gbps"] > 0 and pair["error"] is None
     assert result["slowest_pair"]["nodes"] == pair["nodes"]
     assert "node pairs: all_reduce 64K" in done.stdout and "slowest pair: 127.0.0.21 - 127.0.0.22" in done.stdout
+
+
+@pytest.mark.parametrize("device", ["cpu", on_gpu("gpu", "gpu-1process")])
+def test_comm_on_this_machine_alone_measures_every_collective(tmp_path, device):
+    """A one-host hostfile naming this machine: 2 Gloo ranks on the CPU, or the one GPU over NCCL."""
+    import torch
+
+    slots = 1 if device == "gpu" else 2
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"localhost slots={slots}\n")
+    out = tmp_path / "comm.json"
+    done = subprocess.run(
+        [zerotrain_script(), "bench", "comm", str(hostfile), "--max-size", "64K", "--warmup", "1", "--iters", "3",
+         "--master_port", str(_free_port("127.0.0.1")), "--json", str(out)],
+        cwd=tmp_path, env={**_env(), **device_env(device)}, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    on_cuda = device == "gpu" and torch.cuda.is_available()
+    assert result["ranks"] == slots and result["backend"] == ("nccl" if on_cuda else "gloo")
+    assert result["all_nodes"]["error"] is None
+    rows = result["all_nodes"]["rows"]
+    assert [(r["collective"], r["size"]) for r in rows] == [(c, s) for c in COLLECTIVES for s in (1024, 4096, 16384, 65536)]
+    assert all(r["wrong"] == 0 and r["time_s"] > 0 for r in rows)
 
 
 def test_comm_names_an_unreadable_hostfile(zerotrain_cli, tmp_path):

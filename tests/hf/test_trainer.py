@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import on_gpu
 from trainer_fixture import STEPS, TrainerJobs, TrainerRun, job_module
 
 from zerotrain.deepspeed_standin import STANDIN_DIR
@@ -56,9 +57,10 @@ RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> TrainerJobs:
-    return TrainerJobs(tmp_path_factory.mktemp("hf-trainer"))
+@pytest.fixture(scope="module", params=["cpu", on_gpu("gpu", "gpu-1process")])
+def jobs(request, tmp_path_factory) -> TrainerJobs:
+    """2 CPU ranks; on a GPU, one rank, with the Trainer's own single-GPU run as the reference."""
+    return TrainerJobs(tmp_path_factory.mktemp("hf-trainer"), device=request.param)
 
 
 def trained(jobs: TrainerJobs, name: str) -> TrainerRun:

@@ -1,4 +1,4 @@
-"""Runs tests/fixtures/scripts/hf_trainer_job.py on 2 ranks the way users start a Trainer script.
+"""Runs tests/fixtures/scripts/hf_trainer_job.py on 2 ranks (one on a GPU) the way users start a Trainer script.
 
 From a temporary folder holding the script, a tiny pretrained Llama and the DeepSpeed configs:
 `zerotrain launch --num_gpus 2 hf_trainer_job.py ...` (the usual way),
@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from conftest import FIXTURES, _free_port, user_env, zerotrain_script
+from conftest import FIXTURES, _free_port, device_env, user_env, zerotrain_script
 
 JOB_SCRIPT = FIXTURES / "scripts" / "hf_trainer_job.py"
 CONFIGS = FIXTURES / "configs" / "hf"
 RANKS = 2
+"""Ranks of a CPU job; a GPU job has one (the GPU check's machine has one GPU)."""
 STEPS = 8
 
 COMMON_ARGS = (
@@ -81,8 +82,10 @@ class TrainerJobs:
     """Starts the job script in `workdir`; `run(name, ...)` runs once per name and caches the result,
     so tests of one module share runs (one DDP reference for every parity test)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, device: str = "cpu") -> None:
         self.cwd = workdir
+        self.device = device
+        self.ranks = 1 if device == "gpu" else RANKS
         shutil.copy(JOB_SCRIPT, workdir / JOB_SCRIPT.name)
         for config in CONFIGS.glob("*.json"):
             shutil.copy(config, workdir / config.name)
@@ -90,10 +93,10 @@ class TrainerJobs:
         self._runs: dict[str, TrainerRun] = {}
 
     def launcher(self, how: str) -> list[str]:
-        """The command that starts the script on 2 ranks: 'launch', 'run-torchrun' or 'torchrun' (no stand-in)."""
-        torchrun = ["torchrun", "--nproc_per_node", str(RANKS), "--master_port", str(_free_port())]
+        """The command that starts the script on its ranks: 'launch', 'run-torchrun' or 'torchrun' (no stand-in)."""
+        torchrun = ["torchrun", "--nproc_per_node", str(self.ranks), "--master_port", str(_free_port())]
         if how == "launch":
-            return [zerotrain_script(), "launch", "--num_gpus", str(RANKS), "--master_port", str(_free_port())]
+            return [zerotrain_script(), "launch", "--num_gpus", str(self.ranks), "--master_port", str(_free_port())]
         if how == "run-torchrun":
             return [zerotrain_script(), "run", *torchrun]
         if how == "torchrun":
@@ -105,10 +108,12 @@ class TrainerJobs:
         output_dir = self.cwd / name
         result_file = self.cwd / f"{name}.result.json"  # not `{name}.json`: the configs' names
         result_file.unlink(missing_ok=True)
+        if self.device == "gpu":  # the reference is the Trainer's own run on the same GPU
+            args = tuple(a for a in args if a != "--use_cpu")
         command = [*self.launcher(how), JOB_SCRIPT.name, "--model_dir", self.model_dir.name,
                    "--output_dir", name, "--result", result_file.name, *COMMON_ARGS, *args]
-        process = subprocess.run(command, cwd=self.cwd, env=user_env(), capture_output=True, text=True,
-                                 timeout=timeout)
+        process = subprocess.run(command, cwd=self.cwd, env=user_env(**device_env(self.device)),
+                                 capture_output=True, text=True, timeout=timeout)
         result = json.loads(result_file.read_text()) if result_file.exists() else {}
         return TrainerRun(result, output_dir, process)
 

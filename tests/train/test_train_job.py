@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import zerotrain_script
+from conftest import device_env, on_gpu, zerotrain_script
 
 ZEROTRAIN = [zerotrain_script()]  # the installed console script, as users run it
 # A short job on the default model and data: 12 steps, a checkpoint every 4, a metrics row every step.
@@ -44,8 +44,11 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(400)
-def test_embedded_default_trains_to_the_end_and_writes_a_loadable_model(tmp_path):
-    _train(tmp_path, "demo")  # exactly `make demo`'s job, in a temporary directory
+@pytest.mark.parametrize("device", ["cpu", on_gpu("gpu", "gpu-1process")])
+def test_embedded_default_trains_to_the_end_and_writes_a_loadable_model(tmp_path, device):
+    # exactly `make demo`'s job, in a temporary directory; on a GPU one process (NCCL, bf16 by default)
+    one_gpu = ["--nproc_per_node", "1"] if device == "gpu" else []
+    _train(tmp_path, "demo", *one_gpu, env=device_env(device))
     run = tmp_path / "demo"
     rows = _rows(run / "metrics.csv")
     assert [int(r["step"]) for r in rows] == list(range(10, 201, 10))
@@ -71,7 +74,8 @@ def test_embedded_default_trains_to_the_end_and_writes_a_loadable_model(tmp_path
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(f'{{"prompt": "{a}+{b}=", "response": "{a + b}"}}\n' for a in range(40) for b in range(10)))
     _train(tmp_path, "sft", "--model.path", str(run / "hf"), "--data.path", str(data), "--data.format", "auto", "--data.seq_len", "32",
-           "--training.max_steps", "4", "--training.micro_batch_size", "4", "--logging.interval", "1")
+           "--training.max_steps", "4", "--training.micro_batch_size", "4", "--logging.interval", "1", *one_gpu,
+           env=device_env(device))
     tuned = _rows(tmp_path / "sft" / "metrics.csv")
     assert len(tuned) == 4 and float(tuned[0]["loss"]) < first  # starts from the trained weights, not from scratch
     assert (tmp_path / "sft" / "hf" / "tokenizer.json").is_file()

@@ -1,0 +1,62 @@
+"""The GPU check kit rehearsed on the CPU: `benchmarks/gpu/run.sh` with GPU_CHECK_DRY=1 runs every part
+(tiny sizes, Gloo) through the same wheel install line and writes the same result files, so a GPU
+session finds scripts that already work (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = REPO / "benchmarks" / "gpu" / "run.sh"
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+            "GPU_CHECK_SITE": str(tmp_path / "site"), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(["bash", str(RUN), *args], cwd=tmp_path, env=full, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_an_unknown_part_is_refused_with_the_usage(tmp_path):
+    done = _run(tmp_path, "fast")
+    assert done.returncode == 2 and "usage: benchmarks/gpu/run.sh correct|speed|size|all" in done.stderr
+
+
+def test_without_a_gpu_the_real_check_refuses_and_names_the_dry_run(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the real check would run")
+    done = _run(tmp_path, "correct", GPU_CHECK_DRY="0")
+    assert done.returncode == 2
+    assert "no CUDA GPU is visible" in done.stderr and "GPU_CHECK_DRY=1" in done.stderr
+
+
+@pytest.mark.timeout(900)
+def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path):
+    if not (REPO / ".whl" / "manifest.json").is_file():
+        pytest.fail("no .whl/manifest.json: `make test` runs `make gpu-wheels` first; run it", pytrace=False)
+    done = _run(tmp_path, "all", timeout=840, GPU_CHECK_DRY="1")
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert "all" in done.stdout and "wheels of the manifest installed" in done.stdout
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.endswith(".tar.gz")) == [
+        f"{part}.{ext}" for part in ("correct", "size", "speed") for ext in ("json", "log", "md")
+    ]
+
+    correct = json.loads((out / "correct.json").read_text())
+    assert correct["meta"]["dry"] and correct["meta"]["pytest_exit"] == 0
+    outcomes = [t["outcome"] for t in correct["tests"]]
+    assert outcomes.count("passed") >= 30 and set(outcomes) == {"passed"}, outcomes
+    assert "| **all** |" in (out / "correct.md").read_text()
+
+    speed = json.loads((out / "speed.json").read_text())
+    assert speed
+    size = json.loads((out / "size.json").read_text())
+    assert size
