@@ -54,7 +54,8 @@ from zerotrain.cli import build_parser
 from zerotrain.config import check_supported, load_config, resolve_config
 from zerotrain.config.loader import read_config_file
 from zerotrain.train.command import split_train_argv
-from zerotrain.train.config import DEFAULT_CONFIG_PATH, load_train_config
+from zerotrain.train.config import DEFAULT_CONFIG_PATH
+from zerotrain.train.config_files import load_train_config
 from zerotrain.train.zero_fill import build_engine_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -96,7 +96,7 @@ def _check_train_config(args: argparse.Namespace, console: Console) -> int:
     import yaml
 
     from zerotrain.config import ConfigError, check_supported
-    from zerotrain.train.config import load_train_config
+    from zerotrain.train.config_files import load_train_config
 
     overrides = []
     for item in args.overrides:

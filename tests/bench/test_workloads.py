@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zerotrain.bench.workloads import WORKLOADS, UnknownWorkloadError, workload_config, workload_target
-from zerotrain.train.config import load_train_config
+from zerotrain.train.config_files import load_train_config
 from zerotrain.train.data import load_tokenizer
 from zerotrain.train.model import build_model
 from zerotrain.train.zero_fill import build_engine_config

@@ -71,7 +71,7 @@ def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrai
     from accelerate.commands.config.config_args import ClusterConfig
 
     from zerotrain.config import load_config, resolve_config
-    from zerotrain.train.config import load_train_config
+    from zerotrain.train.config_files import load_train_config
 
     answers = "1\n2\n2GB\n\n128\n16\nbf16\n3\ncpu\nnone\nyes\n\n2\n0.5\n"
     done = zerotrain_cli("init", "llama", *OVERRIDES, "--accelerate-config", "acc.yaml", input=answers, check=True)

@@ -45,7 +45,7 @@ def test_reported_peak_is_never_below_the_current_figure(monkeypatch):
 def _model_states(stage: int) -> list:
     """Every rank's memory after one step of the default model at `stage` (fp32, 2 ranks; a collective)."""
     import zerotrain
-    from zerotrain.train.config import load_train_config
+    from zerotrain.train.config_files import load_train_config
     from zerotrain.train.data import load_tokenizer
     from zerotrain.train.metrics import gather_memory
     from zerotrain.train.model import build_model, decay_groups

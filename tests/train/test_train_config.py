@@ -13,12 +13,8 @@ import yaml
 from torch import nn
 
 from zerotrain.config.errors import ConfigError
-from zerotrain.train.config import (
-    DEFAULT_CONFIG_PATH,
-    TrainConfig,
-    load_train_config,
-    parse_overrides,
-)
+from zerotrain.train.config import DEFAULT_CONFIG_PATH, TrainConfig
+from zerotrain.train.config_files import load_train_config, parse_overrides
 from zerotrain.train.zero_fill import build_engine_config, resolve_precision
 
 TINY = "model:\n  architecture: llama\n"

@@ -18,7 +18,7 @@ from conftest import run_on_ranks
 def _initial_weights(stage: int, tied: bool) -> dict:
     """The trainer's model set-up (seed, tokenizer, model, engine) at `stage`, weights gathered whole."""
     import zerotrain
-    from zerotrain.train.config import load_train_config
+    from zerotrain.train.config_files import load_train_config
     from zerotrain.train.data import load_tokenizer
     from zerotrain.train.model import build_model, decay_groups
     from zerotrain.train.zero_fill import build_engine_config

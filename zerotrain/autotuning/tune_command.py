@@ -55,7 +55,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from zerotrain.planning.model_source import count_parameters, load_meta_model
     from zerotrain.planning.planner import make_plan
     from zerotrain.planning.rung_memory import Hardware
-    from zerotrain.train.config import load_train_config
+    from zerotrain.train.config_files import load_train_config
 
     try:
         cfg = load_train_config(Path(args.config))

@@ -78,7 +78,7 @@ def _missing(path: str | Path) -> ConfigError:
 
 
 def _from_train_yaml(path: Path, overrides: dict[str, Any]) -> nn.Module:
-    from zerotrain.train.config import load_train_config  # config.py first: it re-exports config_files
+    from zerotrain.train.config_files import load_train_config
 
     if not path.is_file():
         raise _missing(path)

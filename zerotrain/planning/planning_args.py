@@ -96,7 +96,7 @@ def train_yaml(args: argparse.Namespace):
         return None
     from pathlib import Path
 
-    from zerotrain.train.config import load_train_config  # config.py first: it re-exports config_files
+    from zerotrain.train.config_files import load_train_config
 
     return load_train_config(Path(args.model))
 

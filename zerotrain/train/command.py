@@ -115,7 +115,7 @@ def main_train(argv: Sequence[str]) -> int:
     """`zerotrain train`: returns the exit status (a Ctrl-C before training starts is cli.main's)."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.error_report import print_user_error
-    from zerotrain.train.config import load_train_config
+    from zerotrain.train.config_files import load_train_config
     from zerotrain.train.metrics import check_sink_packages
     from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
     from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume

@@ -361,8 +361,3 @@ def _zero_problems(zero: Mapping[str, Any]) -> list[str]:
     except ValidationError as error:
         return describe_validation_error(error, _ZeroHolder).splitlines()
     return []
-
-
-# Reading files (inherit, merge, --section.key overrides) lives in config_files.py; re-exported
-# here so callers import every config entry point from one place.
-from zerotrain.train.config_files import load_train_config, parse_overrides  # noqa: E402, F401

@@ -23,6 +23,7 @@ from zerotrain.train.config import (
     mark_user_set,
     validate_train_config,
 )
+from zerotrain.train.zero_links import adopt_deepspeed_values
 
 
 def load_train_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -31,8 +32,6 @@ def load_train_config(path: str | os.PathLike | None = None, overrides: Sequence
     ``overrides`` are command-line tokens: ``--section.key VALUE`` or ``--section.key=VALUE``.
     Raises ConfigError naming the file and the dotted key, for every problem at once.
     """
-    from zerotrain.train.zero_fill import adopt_deepspeed_values  # zero_fill imports this module
-
     file = Path(path).expanduser() if path is not None else DEFAULT_CONFIG_PATH
     data, inherited = _read_with_inherit(file)
     pairs = parse_overrides(overrides)

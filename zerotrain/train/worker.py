@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from zerotrain.train.command import run_in_this_process
-    from zerotrain.train.config import load_train_config
+    from zerotrain.train.config_files import load_train_config
 
     return run_in_this_process(load_train_config(args.config), args.resume)
 
