@@ -124,7 +124,8 @@ def _timed_trial(job: dict, exp: dict, index: int, rank: int, group) -> dict:
                 train_step()
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)
-            took = torch.tensor([time.perf_counter() - begin], dtype=torch.float64)
+            # On the engine's device: the trial group takes the default backend (NCCL on GPUs: no CPU tensors).
+            took = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=engine.device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
             elapsed += took.item()
             steps += job["end_step"] - job["start_step"] + 1

@@ -113,9 +113,14 @@ def _load_optimizer_state(engine, reader: CheckpointReader) -> None:
                 if name in reader.params:
                     buf[flat - lo : flat - lo + numel].copy_(reader.read_range(kind, name, start, start + numel))
             state[kind] = buf
+        group = next(g for g in inner.param_groups if any(p is fp.master for p in g["params"]))
+        # As torch's Optimizer.load_state_dict: fused/capturable steps keep `step` on the parameter's device.
+        scalar_device = fp.master.device if group.get("fused") or group.get("capturable") else None
         for key, spec in meta["group_scalars"][fp.group_index].items():
             dtype = spec["dtype"]
-            state[key] = torch.tensor(spec["value"], dtype=getattr(torch, dtype)) if dtype else spec["value"]
+            state[key] = (
+                torch.tensor(spec["value"], dtype=getattr(torch, dtype), device=scalar_device) if dtype else spec["value"]
+            )
     for group, saved in zip(inner.param_groups, meta["param_groups"]):
         for key, value in saved.items():
             if key in group:

@@ -110,10 +110,11 @@ def build_flat_params(
             for fp in batch:  # DeepSpeed starts every rank from rank 0's weights; so do we.
                 zdist.broadcast(fp.data, 0, "init")
         for fp in batch:
-            fp.make_master(compute_dtype, offload.optimizer_device, offload.pin_memory)
+            # Never pin what an NVMe store parks: Tensor.pin_memory() storage cannot be resize_()d.
+            fp.make_master(compute_dtype, offload.optimizer_device, offload.pin_memory and offload.state_swap is None)
             fp.cast_to(compute_dtype)
             if plan.shards_params and not fp.persistent:
-                fp.keep_only_shard(offload.param_device, offload.pin_memory)
+                fp.keep_only_shard(offload.param_device, offload.pin_memory and offload.param_swap is None)
                 if offload.param_swap is not None:
                     offload.param_swap.adopt(fp)  # parked before the next unit exists
             if offload.state_swap is not None:
