@@ -103,15 +103,3 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     }
     return {"text": text, "json": data}
 
-
-def parse_config_overrides(items: list[str]) -> dict[str, Any]:
-    """`["hidden_size=4096", "tie_word_embeddings=false"]` → a dict, values read as YAML scalars."""
-    import yaml
-
-    values: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--config-override {item!r}: expected KEY=VALUE, e.g. hidden_size=4096")
-        values[key.strip()] = yaml.safe_load(text) if text.strip() else None
-    return values

@@ -130,3 +130,16 @@ def _from_section(section: Any, overrides: dict[str, Any]) -> nn.Module:
     tokenizer = load_tokenizer(section.tokenizer, section.path, trust_remote_code=section.trust_remote_code)
     with torch.device("meta"):
         return build_model(section, tokenizer)
+
+
+def parse_config_overrides(items: list[str]) -> dict[str, Any]:
+    """`["hidden_size=4096", "tie_word_embeddings=false"]` → a dict, values read as YAML scalars."""
+    import yaml
+
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--config-override {item!r}: expected KEY=VALUE, e.g. hidden_size=4096")
+        values[key.strip()] = yaml.safe_load(text) if text.strip() else None
+    return values

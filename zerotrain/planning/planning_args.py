@@ -55,7 +55,7 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
 
 def load_model(args: argparse.Namespace):
     """The meta-device model MODEL names (ConfigError/ValueError for the caller to report)."""
-    from zerotrain.planning.estimate_command import parse_config_overrides
+    from zerotrain.planning.model_source import parse_config_overrides
     from zerotrain.planning.model_source import load_meta_model
 
     return load_meta_model(args.model, parse_config_overrides(args.config_overrides))

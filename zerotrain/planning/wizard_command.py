@@ -60,7 +60,7 @@ def run_init(args: argparse.Namespace) -> int:
     from zerotrain.config.errors import ConfigError
     from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
     from zerotrain.planning.config_wizard import Wizard, WizardError, run_questions
-    from zerotrain.planning.estimate_command import parse_config_overrides
+    from zerotrain.planning.model_source import parse_config_overrides
     from zerotrain.planning.model_source import load_meta_model
     from zerotrain.train.data import DataError
 
@@ -115,7 +115,7 @@ def deepspeed_config(a) -> dict[str, Any]:
 
 def train_config(a, source: str, overrides: list[str], ds: dict[str, Any]) -> dict[str, Any]:
     """A `zerotrain train` YAML: the model, synthetic data to replace, the batch and the ZeRO section."""
-    from zerotrain.planning.estimate_command import parse_config_overrides
+    from zerotrain.planning.model_source import parse_config_overrides
 
     path = Path(source)
     if path.suffix in (".yaml", ".yml"):
