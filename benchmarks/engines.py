@@ -26,6 +26,9 @@ ENGINES = [
     "zerotrain-2-offload", "deepspeed-2-offload", "deepspeed-2-offload-cpuadam",
     "zerotrain-3-offload", "deepspeed-3-offload", "deepspeed-3-offload-cpuadam",
 ]
+# Columns outside the default list: `plain` is one process with no wrapper and no process group
+# (the GPU speed check's baseline, benchmarks/gpu/speed.py); with N ranks it would run N copies.
+EXTRA_ENGINES = ["plain"]
 
 
 @dataclass
@@ -76,9 +79,8 @@ def _autocast(args, device: torch.device):
 
 def build(name: str, model: torch.nn.Module, args) -> Trainer:
     spec = parse(name)
-    return {"zerotrain": _zerotrain, "deepspeed": _deepspeed, "ddp": _ddp, "fsdp2": _fsdp2}[spec.family](
-        model, args, spec
-    )
+    builders = {"zerotrain": _zerotrain, "deepspeed": _deepspeed, "ddp": _ddp, "fsdp2": _fsdp2, "plain": _plain}
+    return builders[spec.family](model, args, spec)
 
 
 def _config(args, spec: EngineSpec) -> dict:
@@ -140,20 +142,36 @@ def _ddp(model, args, spec) -> Trainer:
     _init_torch_dist(device)
     model.to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(ddp.parameters(), **optimizer_kwargs(args))
+    return _torch_trainer(ddp, args, device, {"version": torch.__version__, "backend": dist.get_backend(),
+                                              "optimizer": "AdamW"})
+
+
+def _plain(model, args, spec) -> Trainer:
+    """The model itself, torch.optim.AdamW and clipping: what a single-GPU torch script runs."""
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model.to(device)
+    return _torch_trainer(model, args, device, {"version": torch.__version__, "backend": None, "optimizer": "AdamW",
+                                                "precision": "fp32 weights, torch.autocast(bf16)"
+                                                if args.dtype == "bf16" else "fp32"})
+
+
+def _torch_trainer(module, args, device, info: dict) -> Trainer:
+    """Plain torch training of `module` (the model, or DDP around it): fp32 weights, autocast for bf16."""
+    opt = torch.optim.AdamW(module.parameters(), **optimizer_kwargs(args))
     autocast = _autocast(args, device)
 
     def forward(x):
         with autocast():
-            return ddp(input_ids=x, labels=x).loss
+            return module(input_ids=x, labels=x).loss
 
     def step():
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Trainer(forward, lambda loss: loss.backward(), step, device,
-                   info={"version": torch.__version__, "backend": dist.get_backend(), "optimizer": "AdamW"})
+    return Trainer(forward, lambda loss: loss.backward(), step, device, info=info)
 
 
 def _fully_shard():

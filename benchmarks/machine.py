@@ -32,11 +32,7 @@ def resolve_machine(args) -> dict:
     cores = os.cpu_count() or 1
     if args.threads is None:
         args.threads = max(1, cores // args.nproc)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    if not cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        env["DS_ACCELERATOR"] = "cpu"
+    env = worker_env(args.threads, cuda)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     device = torch.cuda.get_device_name(0) if cuda else f"CPU ({cores} cores: {cpu})"
@@ -48,6 +44,17 @@ def resolve_machine(args) -> dict:
             versions[pkg] = None
     versions["zerotrain_commit"] = _commit()
     return {"cuda": cuda, "env": env, "device": device, "cores": cores, "versions": versions}
+
+
+def worker_env(threads: int, cuda: bool) -> dict[str, str]:
+    """The environment every engine process gets: its thread counts, and on a CPU run no GPU and
+    DeepSpeed's CPU accelerator."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
 
 
 def _commit() -> str | None:

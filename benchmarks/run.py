@@ -30,9 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from machine import busy_cpu_s, own_children_cpu_s, resolve_machine, wait_idle  # noqa: E402
-from engines import ENGINES  # noqa: E402
+from engines import ENGINES, EXTRA_ENGINES  # noqa: E402
 from report import MIB, add_ratios, markdown, print_rich, targets  # noqa: E402
-from workload import add_workload_args, param_count  # noqa: E402
+from workload import add_workload_args, param_count, resolve_sizes  # noqa: E402
 
 BUSY_CORES = 0.2  # other processes' CPU use (cores) above which a run counts as disturbed
 PASSED_TO_WORKERS = ["warmup", "steps", "mem_steps", "profile"]  # besides every workload argument
@@ -40,7 +40,8 @@ PASSED_TO_WORKERS = ["warmup", "steps", "mem_steps", "profile"]  # besides every
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {ENGINES}")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help=f"comma-separated subset of {ENGINES}, or also {EXTRA_ENGINES}")
     p.add_argument("--nproc", type=int, default=None, help="ranks per engine (default 2; CUDA: min(2, GPUs))")
     p.add_argument("--threads", type=int, default=None,
                    help="OMP_NUM_THREADS for every rank of every engine (default: CPU cores // nproc, at least 1)")
@@ -66,7 +67,9 @@ def parse_args(argv=None):
     p.workload_dests = {a.dest for a in add_workload_args(p)._group_actions}
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result-dir", help=argparse.SUPPRESS)
-    return p, p.parse_args(argv)
+    args = p.parse_args(argv)
+    resolve_sizes(args)  # sizes left out come from --model-config (or the built-in job), for workers and report
+    return p, args
 
 
 def worker_argv(parser, args) -> list[str]:
@@ -75,6 +78,8 @@ def worker_argv(parser, args) -> list[str]:
     for action in parser._actions:
         if action.dest in PASSED_TO_WORKERS or action.dest in parser.workload_dests:
             value = getattr(args, action.dest)
+            if value is None:  # an optional setting left out (e.g. --model-config)
+                continue
             if action.nargs == 0:  # a store_true flag
                 out += [action.option_strings[0]] if value else []
             else:
@@ -175,9 +180,11 @@ def main(argv=None) -> None:
         return run_worker(args)
     machine = resolve_machine(args)
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
-    unknown = set(names) - set(ENGINES)
+    unknown = set(names) - set(ENGINES) - set(EXTRA_ENGINES)
     if unknown:
-        parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES + EXTRA_ENGINES}")
+    if "plain" in names and args.nproc != 1:
+        parser.error("plain is one process with no process group: run it with --nproc 1")
     notes = []
     has_ds = importlib.util.find_spec("deepspeed") is not None
     if not has_ds and any(n.startswith("deepspeed") for n in names):

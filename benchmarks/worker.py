@@ -1,7 +1,8 @@
 """One rank of one engine's run: build, warm up, time the steps, measure memory, write JSON.
 
 Started by `run.py` through `torch.distributed.run` (one process per rank, a
-fresh process group per engine, so no engine sees another's memory).
+fresh process group per engine, so no engine sees another's memory). `train_loop`
+and `run_step` are also the GPU speed check's loop (benchmarks/gpu/speed_worker.py).
 
 Steps: `--warmup` untimed, `--steps` timed, then `--mem-steps` untimed steps in
 which memory is measured phase by phase (forward, backward, optimizer step).
@@ -32,6 +33,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 PHASES = ("forward", "backward", "step")
@@ -144,28 +146,76 @@ def run_worker(args) -> None:
 
 def _run(args, rank: int) -> dict:
     import torch
-
     from engines import build
-    from workload import build_model, rank_batch
+    from workload import build_model, model_device
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    model = build_model(args)
+    model = build_model(args, device=model_device(args))
     probe = MemoryProbe(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
                         if torch.cuda.is_available() else torch.device("cpu"))
     trainer = build(args.worker, model, args)
     del model
     gc.collect()
     probe.engine_built()
-    cuda = trainer.device.type == "cuda"
+    profile_dir = Path(args.result_dir) if args.profile else None
+    result = train_loop(trainer, args, rank, world, probe, profile_dir=profile_dir, tag=f"{args.worker}.rank{rank}")
+    return {"rank": rank, "world": world, "device": str(trainer.device), "threads": torch.get_num_threads(),
+            **result, "info": trainer.info}
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(trainer.device)
 
+def device_sync(device) -> Callable[[], None]:
+    """Waits for the device's queued work (CUDA), so a host clock read after it covers that work."""
+    import torch
+
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def run_step(trainer, batch, sync: Callable[[], None], probe: MemoryProbe | None = None):
+    """One forward, backward and optimizer step; returns (loss, seconds per phase).
+
+    Each phase is timed between device synchronizations, so its time is the device's work for
+    it, not just the host's launching; with `probe`, each phase's memory peak is recorded too.
+    """
+    spent: dict[str, float] = {}
+    loss = None
+    for phase in PHASES:
+        if probe is not None:
+            probe.phase_start()
+        sync()
+        t0 = time.perf_counter()
+        if phase == "forward":
+            loss = trainer.forward(batch)
+        elif phase == "backward":
+            trainer.backward(loss)
+        else:
+            trainer.step()
+        sync()
+        spent[phase] = time.perf_counter() - t0
+        if probe is not None:
+            probe.phase_end(phase)
+    return loss, spent
+
+
+def train_loop(trainer, args, rank: int, world: int, probe: MemoryProbe, profile_dir: Path | None = None,
+               tag: str = "") -> dict:
+    """The loop every engine runs: `args.warmup` untimed steps, `args.steps` timed ones, then
+    `args.mem_steps` steps measuring memory phase by phase; the batches are `rank_batch`'s.
+
+    With `profile_dir`, the timed steps run under torch.profiler and its op table is written there.
+    Returns step and phase times, losses and the probe's memory figures.
+    """
+    import torch
+    from workload import rank_batch
+
+    sync = device_sync(trainer.device)
     profiler = None
-    if args.profile:
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    if profile_dir is not None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if trainer.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(activities=activities)
     times, phases, losses = [], {k: [] for k in PHASES}, []
     timed = range(args.warmup, args.warmup + args.steps)
@@ -176,24 +226,8 @@ def _run(args, rank: int) -> dict:
             if profiler is not None:
                 profiler.stop()
             probe.timed_steps_done()
-        measure_memory = step >= timed.stop
         batch = rank_batch(args, step, rank, world).to(trainer.device)
-        spent = {}
-        for phase in PHASES:
-            if measure_memory:
-                probe.phase_start()
-            sync()
-            t0 = time.perf_counter()
-            if phase == "forward":
-                loss = trainer.forward(batch)
-            elif phase == "backward":
-                trainer.backward(loss)
-            else:
-                trainer.step()
-            sync()
-            spent[phase] = time.perf_counter() - t0
-            if measure_memory:
-                probe.phase_end(phase)
+        loss, spent = run_step(trainer, batch, sync, probe if step >= timed.stop else None)
         losses.append(float(loss.detach().float()))
         if step in timed:
             times.append(sum(spent.values()))
@@ -205,13 +239,12 @@ def _run(args, rank: int) -> dict:
         probe.timed_steps_done()
     if profiler is not None:
         table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        Path(args.result_dir, f"{args.worker}.rank{rank}.profile.txt").write_text(table)
+        Path(profile_dir, f"{tag}.profile.txt").write_text(table)
     memory = probe.result()
     if trainer.memory_breakdown is not None:
         memory["engine_breakdown"] = trainer.memory_breakdown()
     return {
-        "rank": rank, "world": world, "device": str(trainer.device), "threads": torch.get_num_threads(),
         "step_times": times, "median_step_s": statistics.median(times),
         "phase_median_s": {k: statistics.median(v) for k, v in phases.items()},
-        "losses": losses, "memory": memory, "info": trainer.info,
+        "losses": losses, "memory": memory,
     }
