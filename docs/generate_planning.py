@@ -128,7 +128,7 @@ This page is generated: `python docs/generate_planning.py` rewrites it from the 
 
 def run_cli(command: str, where: Path = ROOT) -> str:
     """`zerotrain COMMAND` in-process, run from `where` with examples/ paths made absolute; its output."""
-    from zerotrain.cli import main
+    from zerotrain.cli.main import main
 
     out = io.StringIO()
     cwd = os.getcwd()

@@ -179,7 +179,7 @@ def standin_deepspeed(monkeypatch):
     """`import deepspeed` gives zerotrain's stand-in (with its metadata), for this test only."""
     import importlib
 
-    from zerotrain.deepspeed_standin import STANDIN_DIR
+    from zerotrain.compat.deepspeed_standin import STANDIN_DIR
 
     before = {name for name in sys.modules if name.split(".")[0] == "deepspeed"}
     monkeypatch.syspath_prepend(str(STANDIN_DIR))
@@ -193,7 +193,7 @@ def user_env(**extra: str) -> dict[str, str]:
     """The environment of a user whose venv is activated: this venv's bin/ first on PATH (python,
     torchrun, accelerate are its own), one thread per rank, and no `deepspeed` stand-in: only a
     `zerotrain` command may bring it in (a test that activated it in-process must not leak it)."""
-    from zerotrain.deepspeed_standin import ACTIVE_ENV, COMMANDS_DIR, PYTHON_ENV, STANDIN_DIR
+    from zerotrain.compat.deepspeed_standin import ACTIVE_ENV, COMMANDS_DIR, PYTHON_ENV, STANDIN_DIR
 
     def entries(name: str, drop: Path) -> list[str]:
         return [p for p in os.environ.get(name, "").split(os.pathsep) if p and Path(p) != drop]

@@ -2,7 +2,7 @@
 
 They used to die at interpreter exit about 1 run in 10 on 2 Gloo ranks ("terminate called
 without an active exception", SIGABRT): a Gloo worker thread released its last work object
-during finalization and needed the GIL. zerotrain/teardown.py fixes it at the source; these
+during finalization and needed the GIL. zerotrain/comm/teardown.py fixes it at the source; these
 runs are the proof. `make stress` runs 100 of them (ZEROTRAIN_CLEAN_EXIT_RUNS=15 per case).
 """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zerotrain import __version__
-from zerotrain.cli import build_parser, main, parse_overrides
+from zerotrain.cli.main import build_parser, main, parse_overrides
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 GOOD_CONFIG = CONFIGS / "multinode-zero2-small.json"

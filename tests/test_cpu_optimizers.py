@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import zerotrain
-from zerotrain.engine import _constructor_kwargs
+from zerotrain.runtime.engine import _constructor_kwargs
 from zerotrain.optim import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion, Lion
 
 STEPS = 5

@@ -111,7 +111,7 @@ def test_global_rank_and_dp_world_size_on_one_process():
 
 
 def test_save_16bit_model_takes_deepspeeds_arguments():
-    from zerotrain.engine import Engine
+    from zerotrain.runtime.engine import Engine
 
     params = list(inspect.signature(Engine.save_16bit_model).parameters)
     assert params == ["self", "save_dir", "save_filename", "exclude_frozen_parameters"]

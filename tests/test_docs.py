@@ -50,7 +50,7 @@ import torch
 import yaml
 from torch import nn
 
-from zerotrain.cli import build_parser
+from zerotrain.cli.main import build_parser
 from zerotrain.config import check_supported, load_config, resolve_config
 from zerotrain.config.loader import read_config_file
 from zerotrain.train.command import split_train_argv

@@ -12,7 +12,7 @@ from torch import nn
 
 import zerotrain
 from zerotrain.config import ConfigError
-from zerotrain.distributed import read_launch_env
+from zerotrain.comm.distributed import read_launch_env
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -265,9 +265,10 @@ def _crash(args):
 
 
 def test_unexpected_error_is_one_line_with_a_debug_hint_and_debug_shows_the_traceback(monkeypatch, capsys):
-    from zerotrain import cli
+    from zerotrain.checkpoint import consolidate_command
+    from zerotrain.cli import main as cli
 
-    monkeypatch.setattr(cli, "run_consolidate", _crash)
+    monkeypatch.setattr(consolidate_command, "run_consolidate", _crash)
     assert cli.main(["consolidate", "ckpt", "out"]) == 1
     err = capsys.readouterr().err
     assert "zerotrain consolidate: KeyError: 'shapes'" in err

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerotrain.precision import (
+from zerotrain.runtime.precision import (
     DynamicLossScaler,
     LossScaleAtMinimumError,
     StaticLossScaler,

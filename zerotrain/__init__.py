@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from zerotrain.api import add_config_arguments, initialize
+from zerotrain.compat.initialize import add_config_arguments, initialize
 from zerotrain.compat.comm import init_distributed  # DeepSpeed's signature (dist_backend=, timeout=, ...)
 
 __version__ = "0.1.0"

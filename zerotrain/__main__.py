@@ -2,7 +2,7 @@
 
 import sys
 
-from zerotrain.cli import main
+from zerotrain.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

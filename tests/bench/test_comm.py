@@ -56,7 +56,7 @@ def test_busbw_times_time_is_the_bytes_each_rank_sends(collective, ranks):
     by_hand = {"all_reduce": 2 * (ranks - 1) * chunk, "all_gather": (ranks - 1) * chunk,
                "reduce_scatter": (ranks - 1) * chunk}[collective]
     assert bytes_sent_per_rank(collective, size, ranks) == by_hand
-    # COMM_COUNTER's accounting (zerotrain.distributed): all-reduce 2S, all-gather out S, reduce-scatter in S.
+    # COMM_COUNTER's accounting (zerotrain.comm.distributed): all-reduce 2S, all-gather out S, reduce-scatter in S.
     assert counter_bytes(collective, size) == {"all_reduce": 2 * size}.get(collective, size)
     assert counter_bytes(collective, size) * (ranks - 1) / ranks == by_hand
     row = bandwidth_row(collective, size, ranks, 0.0123, counted_bytes=counter_bytes(collective, size))

@@ -140,7 +140,7 @@ def test_hostfiles_sharing_a_node_are_refused_naming_the_node(zerotrain_cli, tmp
 
 
 def _bench_in_process(capsys, *argv) -> tuple[int, str]:
-    from zerotrain.cli import main
+    from zerotrain.cli.main import main
 
     code = main(["bench", "run", *map(str, argv)])
     return code, " ".join(capsys.readouterr().err.split())  # unwrapped, whatever the terminal width
@@ -195,7 +195,7 @@ def test_a_built_in_workload_runs_zerotrain_train_into_the_job_folder(capsys, tm
 
 def test_launch_flags_pass_through_whole_and_one_node_jobs_run_on_their_node():
     from zerotrain.bench.runner import launch_flags
-    from zerotrain.cli import build_parser
+    from zerotrain.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["bench", "run", "hf", "--timeout", "9", "--out", "r", "--ssh_args", "-F my config", "--env", "A=1",

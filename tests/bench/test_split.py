@@ -138,7 +138,7 @@ def test_cli_bad_input_is_one_clear_message_and_exit_2(tmp_path, zerotrain_cli, 
 
 
 def _main(*args) -> int:
-    from zerotrain.cli import main
+    from zerotrain.cli.main import main
 
     return main(["bench", "split", *map(str, args)])
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zerotrain
-from zerotrain.engine import Engine
+from zerotrain.runtime.engine import Engine
 
 
 def test_the_standin_hands_out_zerotrains_own_objects(standin_deepspeed):

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import user_env, zerotrain_script
 
-STANDIN = Path(__file__).resolve().parents[2] / "zerotrain" / "standin"
+STANDIN = Path(__file__).resolve().parents[2] / "zerotrain" / "compat" / "standin"
 
 PROBE = """
 import importlib.metadata, json, shutil, deepspeed
@@ -59,7 +59,7 @@ def test_a_real_deepspeed_beside_zerotrain_is_shadowed_under_run_and_untouched_o
 
 
 def test_importing_zerotrain_changes_nothing_about_deepspeed(tmp_path):
-    code = ("import importlib.util, sys; before = list(sys.path); import zerotrain, zerotrain.engine; "
+    code = ("import importlib.util, sys; before = list(sys.path); import zerotrain, zerotrain.runtime.engine; "
             "print(importlib.util.find_spec('deepspeed') is None and sys.path == before)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=user_env(), capture_output=True, text=True)
     assert proc.stdout.strip() == "True", proc.stderr

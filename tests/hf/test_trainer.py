@@ -26,7 +26,7 @@ import torch
 from conftest import on_gpu
 from trainer_fixture import STEPS, TrainerJobs, TrainerRun, job_module
 
-from zerotrain.deepspeed_standin import STANDIN_DIR
+from zerotrain.compat.deepspeed_standin import STANDIN_DIR
 
 LOSS_TOLERANCE = 1e-4
 
@@ -95,7 +95,7 @@ def test_no_deepspeed_is_installed_so_only_the_standin_can_answer_import_deepspe
 def test_trainer_with_a_deepspeed_config_trains_like_the_trainers_own_ddp(jobs, name, reference):
     run = trained(jobs, name)
     assert run.result["deepspeed_module"].startswith(str(STANDIN_DIR)), run.result["deepspeed_module"]
-    assert run.result["engine_class"] == "zerotrain.engine.Engine"
+    assert run.result["engine_class"] == "zerotrain.runtime.engine.Engine"
     assert run.result["steps"] == list(range(1, STEPS + 1))
     assert run.result["partitioned_at_load"] == name.startswith("zero3")  # from_pretrained under zero.Init
     assert_losses_match(run.losses, trained(jobs, reference).losses, f"{name} vs {reference}")
@@ -157,7 +157,7 @@ def test_stage3_evaluation_without_training_gives_the_plain_models_eval_loss(job
     from transformers import AutoModelForCausalLM
 
     run = trained(jobs, "zero3-eval-only")
-    assert run.result["engine_class"] == "zerotrain.engine.Engine"
+    assert run.result["engine_class"] == "zerotrain.runtime.engine.Engine"
     model = AutoModelForCausalLM.from_pretrained(jobs.model_dir).eval()
     job = job_module()
     eval_set = job.TokenSequences(job.EVAL_SAMPLES, seed=1).ids

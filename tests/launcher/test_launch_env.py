@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerotrain.distributed import read_launch_env
+from zerotrain.comm.distributed import read_launch_env
 
 
 @pytest.mark.parametrize(

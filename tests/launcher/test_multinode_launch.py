@@ -85,7 +85,7 @@ def test_two_nodes_of_two_ranks_train_like_one_node_of_four_with_deepspeed_env(s
         assert seen["MASTER_ADDR"] == first
         assert seen["PROJECT_PATH"] == "/srv/nfs/staging"  # .deepspeed_env: the last value wins
         assert seen["ZEROTRAIN_TEST_VALUE"] == tricky
-        assert seen["deepspeed"].endswith("zerotrain/standin/deepspeed/__init__.py")  # each node's own stand-in
+        assert seen["deepspeed"].endswith("zerotrain/compat/standin/deepspeed/__init__.py")  # each node's own stand-in
     local = subprocess.run([zerotrain_script(), "launch", "--num_gpus", "4", "--master_port", str(_free_port()),
                             str(TRAIN)], cwd=cwd, env=_env(f"local-{job}"), capture_output=True, text=True,
                            timeout=180)

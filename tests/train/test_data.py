@@ -380,7 +380,7 @@ def test_eval_batches_in_order_split_across_ranks():
 
 def _two_rank_build(cache_dir: str) -> dict:
     """On each rank: build synthetic data through a shared cache; report tokenizing and batches."""
-    from zerotrain.distributed import init_distributed
+    from zerotrain.comm.distributed import init_distributed
     from zerotrain.train.data import cache as cache_mod
     from zerotrain.train.data import corpus as corpus_mod
 

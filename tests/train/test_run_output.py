@@ -65,7 +65,7 @@ def _model_states(stage: int) -> list:
 
 
 def _stages_0_and_3() -> tuple[list, list]:
-    from zerotrain.distributed import init_distributed
+    from zerotrain.comm.distributed import init_distributed
 
     init_distributed()
     return _model_states(0), _model_states(3)

@@ -20,7 +20,7 @@ from llama_workload import global_batch, train_zerotrain, zero_config
 
 
 def _measure(world: int) -> dict:
-    from zerotrain.distributed import COMM_COUNTER
+    from zerotrain.comm.distributed import COMM_COUNTER
 
     out = {}
     for stage in (0, 1, 2, 3):

@@ -30,7 +30,7 @@ def partitioned_linear(monkeypatch):
         out.copy_(inp)
         return _Done()
 
-    monkeypatch.setattr("zerotrain.distributed.all_gather", one_rank_all_gather)
+    monkeypatch.setattr("zerotrain.comm.distributed.all_gather", one_rank_all_gather)
     torch.manual_seed(0)
     linear = nn.Linear(4, 3)
     reference = copy.deepcopy(linear)  # a plain twin, before partitioning

@@ -35,7 +35,7 @@ def _engine(stage: int, world: int, gas: int):
 
 
 def _observe(world: int) -> dict:
-    from zerotrain.distributed import COMM_COUNTER
+    from zerotrain.comm.distributed import COMM_COUNTER
 
     engine = _engine(stage=1, world=world, gas=2)
     psi_padded = sum(fp.padded_numel for fp in engine.flat_params)
@@ -74,7 +74,7 @@ def _observe(world: int) -> dict:
 
 def _no_sync_at_the_boundary(world: int) -> dict:
     """Two runs of the same two steps; in one, every backward runs inside no_sync()."""
-    from zerotrain.distributed import COMM_COUNTER
+    from zerotrain.comm.distributed import COMM_COUNTER
 
     weights, step_grad_elements = {}, {}
     for inside in (False, True):

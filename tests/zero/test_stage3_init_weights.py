@@ -43,7 +43,7 @@ def _initial_weights(stage: int, tied: bool) -> dict:
 
 
 def _both_stages(tied: bool) -> dict:
-    from zerotrain.distributed import init_distributed
+    from zerotrain.comm.distributed import init_distributed
 
     init_distributed()
     return {stage: _initial_weights(stage, tied) for stage in (0, 3)}

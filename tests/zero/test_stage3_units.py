@@ -28,7 +28,7 @@ def _train_step(engine, step: int) -> None:
 
 
 def _persistence() -> dict:
-    from zerotrain.distributed import COMM_COUNTER
+    from zerotrain.comm.distributed import COMM_COUNTER
 
     # the norms (32 elements) stay whole; no reuse, so backward gathers every layer unit again
     engine = _engine(stage3_param_persistence_threshold=100, stage3_max_reuse_distance=0)
@@ -117,7 +117,7 @@ def _run_with_knobs(**zero_extra) -> dict:
     """Three steps; the third's parameter traffic, and the most elements gathered at once in it."""
     import torch.distributed as dist
 
-    from zerotrain.distributed import COMM_COUNTER
+    from zerotrain.comm.distributed import COMM_COUNTER
     from zerotrain.zero.flat_param import FlatParam
 
     engine = _engine(**zero_extra)

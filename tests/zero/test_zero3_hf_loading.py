@@ -8,7 +8,7 @@ writes each module's checkpoint tensors on rank 0 inside
 already partitioned (each rank keeps about 1/world of them), until `initialize` shards the
 model; the weights it then trains from are the checkpoint's, bit for bit.
 
-Every rank runs `zerotrain.deepspeed_standin.activate_in_this_process()` first, so the
+Every rank runs `zerotrain.compat.deepspeed_standin.activate_in_this_process()` first, so the
 `import deepspeed` inside transformers gets zerotrain.
 """
 
@@ -46,12 +46,12 @@ def _prompt() -> torch.Tensor:
 
 def _zero3_world() -> object:
     """Per rank: the stand-in, the process group, and a live stage-3 HfDeepSpeedConfig (keep it)."""
-    from zerotrain.deepspeed_standin import activate_in_this_process
+    from zerotrain.compat.deepspeed_standin import activate_in_this_process
 
     activate_in_this_process()  # before transformers' DeepSpeed integration imports `deepspeed`
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
-    from zerotrain.distributed import init_distributed
+    from zerotrain.comm.distributed import init_distributed
 
     init_distributed()
     return HfDeepSpeedConfig(dict(DS_CONFIG))

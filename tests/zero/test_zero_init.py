@@ -31,7 +31,7 @@ def _train_under_init() -> dict:
     import torch.distributed as dist
 
     import zerotrain
-    from zerotrain.distributed import init_distributed
+    from zerotrain.comm.distributed import init_distributed
     from zerotrain.zero import Init
 
     rank = init_distributed().rank
@@ -197,7 +197,7 @@ def _peak_memory(use_init: bool) -> dict:
     import gc
 
     import zerotrain
-    from zerotrain.distributed import init_distributed
+    from zerotrain.comm.distributed import init_distributed
     from zerotrain.zero import Init
     from zerotrain.zero.flat_param import FlatParam
     from zerotrain.zero.units import find_layer_units
@@ -263,7 +263,7 @@ def test_peak_memory_without_init_holds_the_whole_model():
 
 def _adapter_added_after_init(stage: int) -> dict:
     import zerotrain
-    from zerotrain.distributed import init_distributed
+    from zerotrain.comm.distributed import init_distributed
 
     rank = init_distributed().rank
     with zerotrain.zero.Init():

@@ -26,7 +26,7 @@ INJECT_OOM_ENV = "ZEROTRAIN_TEST_TUNE_OOM"
 @recorded
 def run_trials(job: dict) -> list[dict]:
     """Every rank runs this; returns one record per trial attempted (rank 0's is the one kept)."""
-    from zerotrain.distributed import collectives_on, init_distributed
+    from zerotrain.comm.distributed import collectives_on, init_distributed
 
     launch = init_distributed(timeout_s=4 * job["trial_timeout_s"])
     rank, world = launch.rank, launch.world_size

@@ -50,7 +50,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from zerotrain.autotuning.trial_runner import run_trials
     from zerotrain.config import load_config
     from zerotrain.config.errors import ConfigError
-    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
     from zerotrain.planning.local_job import run_local_job
     from zerotrain.planning.model_source import count_parameters, load_meta_model
     from zerotrain.planning.planner import make_plan

@@ -260,7 +260,7 @@ def results_json(hostfile: str, hosts: list[str], run: WorkerRun, pairs: list[Pa
 
 def run_comm(args: argparse.Namespace) -> int:
     """`zerotrain bench comm`: 0 when every measurement ran and checked out, 1 otherwise, 2 on a bad input."""
-    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
     from zerotrain.launcher.hostfile import HostfileError, parse_hostfile
 
     try:

@@ -11,7 +11,7 @@ output (prefixed `[host rank]: `), so no file needs to be shared between the nod
 Each collective at each size: one checked call (its result compared with the known answer),
 `--warmup` untimed calls, then `--iters` calls timed together between a barrier and a device
 synchronize, as nccl-tests do; the mean time per call is averaged over ranks. The calls go
-through zerotrain.distributed's counted collectives, so COMM_COUNTER's bytes come back with the times.
+through zerotrain.comm.distributed's counted collectives, so COMM_COUNTER's bytes come back with the times.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Collective:
         self.output = self.input if name == "all_reduce" else torch.zeros(outputs, dtype=torch.float32, device=device)
 
     def call(self) -> None:
-        from zerotrain import distributed as zd
+        from zerotrain.comm import distributed as zd
 
         if self.name == "all_reduce":
             zd.all_reduce(self.input, PURPOSE)
@@ -107,7 +107,7 @@ def _synchronize(device: torch.device) -> None:
 
 def time_collective(coll: Collective, warmup: int, iters: int, device: torch.device) -> tuple[float, int, int]:
     """(mean seconds per call on this rank, COMM_COUNTER bytes per call, wrong elements on this rank)."""
-    from zerotrain.distributed import COMM_COUNTER
+    from zerotrain.comm.distributed import COMM_COUNTER
 
     wrong = coll.wrong_elements()
     for _ in range(warmup):
@@ -132,7 +132,7 @@ def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 
 def run(args: argparse.Namespace, emit_line: Callable[[str, dict], None] = emit) -> int:
-    from zerotrain.distributed import device_for, init_distributed
+    from zerotrain.comm.distributed import device_for, init_distributed
 
     launch = init_distributed(timeout_s=600.0)
     rank, ranks = launch.rank, launch.world_size

@@ -175,7 +175,7 @@ def print_report(results: list[JobResult], threshold: float, metric: str, consol
 def run_report(args: argparse.Namespace) -> int:
     """`zerotrain bench report`: 0 when every job passed, 1 when any did not, 2 on a bad input."""
     from zerotrain.bench.report_chart import save_chart
-    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
 
     run_dir = Path(args.run_dir)
     csv_path = Path(args.csv) if args.csv else run_dir / "results.csv"

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from zerotrain.bench.throughput import UNITS, format_rate
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from zerotrain.bench.report import JobResult
+
+class ChartRow(Protocol):
+    """What a bar needs of a report row (report.py's JobResult is one); the chart knows no more."""
+
+    job: str
+    nodes: list[str]
+    throughput: float | None
+    verdict: str
 
 VERDICT_COLOURS = {"pass": "#2e7d32", "fail": "#f9a825", "timeout": "#6a1b9a", "crash": "#c62828"}
 THRESHOLD_LABEL = "threshold"
@@ -23,7 +30,7 @@ THRESHOLD_GID = "threshold"
 """The threshold line's gid: how a test (or a script) finds it among the axes' lines."""
 
 
-def build_chart(results: Sequence[JobResult], threshold: float, metric: str) -> Figure:
+def build_chart(results: Sequence[ChartRow], threshold: float, metric: str) -> Figure:
     """The bar chart as a Figure: bars of the throughput found (none: an empty bar with the verdict over it)."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -56,13 +63,13 @@ def build_chart(results: Sequence[JobResult], threshold: float, metric: str) -> 
     return figure
 
 
-def _tick_label(result: JobResult) -> str:
+def _tick_label(result: ChartRow) -> str:
     """The job's name, with its nodes below when they fit (small jobs, where a node name says the most)."""
     nodes = " ".join(result.nodes)
     return f"{result.job}\n{nodes}" if len(nodes) <= 24 else result.job
 
 
-def save_chart(results: Sequence[JobResult], threshold: float, metric: str, path: Path) -> Path:
+def save_chart(results: Sequence[ChartRow], threshold: float, metric: str, path: Path) -> Path:
     """Writes the chart to `path` as a PNG (its folder is made if needed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

@@ -27,7 +27,7 @@ from rich.console import Console
 from zerotrain.bench import run_dir
 from zerotrain.bench.run_dir import JobStatus
 from zerotrain.bench.run_progress import LogWatcher, RunProgress
-from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
 from zerotrain.launcher.hostfile import HostfileError, parse_hostfile
 from zerotrain.launcher.local import LaunchError
 
@@ -58,7 +58,7 @@ class _JobAfterDoubleDash(argparse.ArgumentParser):
 
 def _launch_flag_actions() -> list[argparse.Action]:
     """`zerotrain launch`'s own flag definitions, less those bench run sets per job."""
-    from zerotrain.cli import add_launch_flags
+    from zerotrain.launcher.launch_command import add_launch_flags
 
     return add_launch_flags(argparse.ArgumentParser(add_help=False), skip=_OWN_LAUNCH_FLAGS)
 
@@ -86,7 +86,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--master_port", type=int, default=None, metavar="PORT",
         help="first job's master port, the next job PORT+1, ... (default: a free port each)")
     group = parser.add_argument_group("zerotrain launch flags", "passed to every job's `zerotrain launch`")
-    from zerotrain.cli import add_launch_flags
+    from zerotrain.launcher.launch_command import add_launch_flags
 
     add_launch_flags(group, skip=_OWN_LAUNCH_FLAGS)  # those are set per job (--master_port: the first job's)
     parser.set_defaults(handler=run_bench, job=[])

@@ -140,7 +140,7 @@ def leftover_note(plan: SplitPlan, nodes_per_job: int) -> str:
 
 def run_split(args: argparse.Namespace) -> int:
     """`zerotrain bench split`: writes the hostfiles and prints them as a table; 2 on a bad input."""
-    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
 
     try:
         check_flags(args.nodes_per_job, args.slots)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from zerotrain.config.errors import ConfigError
+from zerotrain.config.errors import ConfigError, UserInputError
 
 RUN_CONFIG = "config.yaml"  # what `zerotrain train` writes next to a run's checkpoints folder
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, UserInputError):
     """Raised for a missing, truncated, foreign or inconsistent checkpoint; the message names the file."""
 
 

@@ -1,3 +1,9 @@
-"""DeepSpeed's API beyond `initialize` and the engine, as the `deepspeed` stand-in hands it out
-(zerotrain/standin/deepspeed/): the device facade, `deepspeed.comm` (whose `init_distributed` is
-also `zerotrain.init_distributed`), and clear refusals for what zerotrain does not have."""
+"""Layer 4, the DeepSpeed face: what a DeepSpeed script or library finds when it asks for DeepSpeed.
+
+`initialize.py` is `zerotrain.initialize` (DeepSpeed's `deepspeed.initialize`); `standin/` holds the
+`deepspeed` package (one-line re-exports, its metadata and a `deepspeed` command) that
+`deepspeed_standin.py` puts on a job's path; `accelerator.py`, `comm.py` and
+`unsupported_features.py` are DeepSpeed's device facade, `deepspeed.comm` (whose
+`init_distributed` is also `zerotrain.init_distributed`) and clear refusals for what zerotrain
+does not have. Built on the runtime below; the jobs and the command line sit above it.
+"""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zerotrain import distributed as zdist
+from zerotrain.comm import distributed as zdist
 
 
 def init_distributed(

@@ -25,7 +25,13 @@ CUSTOM_ERROR_TYPE = "zerotrain_config"
 AUTO = "auto"
 
 
-class ConfigError(ValueError):
+class UserInputError(Exception):
+    """An error in what the user gave (a config, a file, a command line, a checkpoint, a run folder):
+    its message says what is wrong and how to fix it, so it is shown without a traceback. Each
+    layer's own error classes derive from it; `config/error_report.py` relies on that alone."""
+
+
+class ConfigError(ValueError, UserInputError):
     """A configuration that zerotrain cannot use, with a message saying what to change."""
 
 

@@ -28,6 +28,7 @@ from rich.markup import escape
 
 from zerotrain.launcher import bootstrap
 from zerotrain.launcher.failures import read_failure_times, report_failure
+from zerotrain.config.errors import UserInputError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 # DeepSpeed's and torchrun's default rendezvous port.
@@ -37,7 +38,7 @@ DEFAULT_MASTER_PORT = 29500
 MONITOR_INTERVAL_S = 0.1
 
 
-class LaunchError(Exception):
+class LaunchError(UserInputError):
     """A problem with the launch request, found before any worker started."""
 
 

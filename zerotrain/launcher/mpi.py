@@ -5,7 +5,7 @@ launcher starts each rank directly: ``mpirun`` puts the ranks on the nodes,
 numbered contiguously per node in host order (node 0 runs ranks 0..k-1), and
 tells each rank where it is through its own variables (``OMPI_COMM_WORLD_*``
 for Open MPI, ``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID`` for MPICH and Intel
-MPI), which `zerotrain.distributed.read_launch_env` reads.
+MPI), which `zerotrain.comm.distributed.read_launch_env` reads.
 
 The flavours and their flags follow DeepSpeed's ``openmpi``, ``mpich`` and
 ``impi`` launchers, with two differences. The selected hosts are named on the

@@ -28,7 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from zerotrain.deepspeed_standin import with_standin
+from zerotrain.compat.deepspeed_standin import with_standin
 from zerotrain.launcher.job_processes import job_processes, kill_job_processes, signal_processes
 from zerotrain.launcher.node_job import DUMP_STACKS_COMMAND, JOB_ID_ENV, NODE_RANK_ENV, RESULT_MARK, NodeJob
 

@@ -48,7 +48,7 @@ def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_estimate(args: argparse.Namespace) -> int:
     """Prints the estimate; returns 0, or 2 when MODEL or a flag is wrong (the reason on stderr)."""
     from zerotrain.config.errors import ConfigError
-    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
     from zerotrain.planning import planning_args as pa
     from zerotrain.planning.model_source import count_parameters
     from zerotrain.train.data import DataError

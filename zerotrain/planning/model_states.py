@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from zerotrain.api import param_groups_of
+from zerotrain.compat.initialize import param_groups_of
 from zerotrain.config import load_config, resolve_config
 from zerotrain.zero.flat_param import shard_layout
 from zerotrain.zero.stage import StagePlan, plan_buckets

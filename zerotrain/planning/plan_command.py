@@ -40,7 +40,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """Prints the plan; 0 when something fits, 1 when nothing does, 2 for a wrong MODEL or flag."""
     from zerotrain.config.errors import ConfigError
-    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
     from zerotrain.planning import planning_args as pa
     from zerotrain.planning.model_source import count_parameters
     from zerotrain.planning.plan_report import describe_setup, format_plan, plan_json, train_yaml_section

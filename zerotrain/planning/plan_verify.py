@@ -121,7 +121,7 @@ def _worker(config_dict: dict, ds: dict, seq_len: int, micro: int, accumulation:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import zerotrain
-    from zerotrain.distributed import device_for, init_distributed
+    from zerotrain.comm.distributed import device_for, init_distributed
 
     launch = init_distributed()
     device = device_for(launch.local_rank)

@@ -58,7 +58,7 @@ def add_init_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_init(args: argparse.Namespace) -> int:
     """0: configs written; 1: a config that does not fit was not confirmed; 2: a wrong answer or file."""
     from zerotrain.config.errors import ConfigError
-    from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
     from zerotrain.planning.config_wizard import Wizard, WizardError, run_questions
     from zerotrain.planning.model_source import parse_config_overrides
     from zerotrain.planning.model_source import load_meta_model

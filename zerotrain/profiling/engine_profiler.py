@@ -89,7 +89,7 @@ class EngineFlopsProfiler:
         return max(self._marks[end] - self._marks[start], 1e-9)
 
     def _peak_flops(self) -> float | None:
-        from zerotrain.train.metrics import peak_tflops
+        from zerotrain.profiling.device_peaks import peak_tflops
 
         tflops = peak_tflops(self.engine.device, self.engine.parsed_config.compute_dtype)
         return tflops * 1e12 if tflops else None

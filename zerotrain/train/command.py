@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from zerotrain.error_report import USAGE_EXIT_CODE
+from zerotrain.config.error_report import USAGE_EXIT_CODE
 from zerotrain.launcher.bootstrap import INTERRUPTED_EXIT_CODE  # a run stopped by Ctrl-C/SIGTERM, checkpointed
 
 TRAIN_USAGE = (
@@ -114,7 +114,7 @@ def _flag_value(args: list[str], i: int, name: str) -> tuple[str, int]:
 def main_train(argv: Sequence[str]) -> int:
     """`zerotrain train`: returns the exit status (a Ctrl-C before training starts is cli.main's)."""
     from zerotrain.config.errors import ConfigError
-    from zerotrain.error_report import print_user_error
+    from zerotrain.config.error_report import print_user_error
     from zerotrain.train.config_files import load_train_config
     from zerotrain.train.metrics import check_sink_packages
     from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
@@ -199,7 +199,7 @@ def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict) -> int:
         )
         return launch(request, Console(stderr=True, soft_wrap=True))
     except (LaunchError, ValueError) as error:
-        from zerotrain.error_report import print_user_error
+        from zerotrain.config.error_report import print_user_error
 
         print_user_error("zerotrain train", error)
         return USAGE_EXIT_CODE
@@ -240,7 +240,7 @@ def run_in_this_process(cfg, resume: str) -> int:
     """Runs the trainer in this process (one rank of a launched job, or a single process)."""
     from zerotrain.checkpoint.errors import CheckpointError
     from zerotrain.config.errors import ConfigError
-    from zerotrain.error_report import print_user_error
+    from zerotrain.config.error_report import print_user_error
     from zerotrain.train.data import DataError
     from zerotrain.train.trainer import Trainer
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+
 TRAIN_FIELDS = [
     "step", "epoch", "loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
     "samples_per_s", "tokens_per_s", "tflops", "mfu", "elapsed_s",
@@ -30,30 +31,6 @@ TRAIN_FIELDS = [
 # Per rank, GiB: the process (allocated now, peak) and the model states it holds.
 MEMORY_KINDS = ("alloc", "peak", "params", "grads", "optim", "buffers", "model_states")
 EVAL_FIELDS = ["step", "eval_loss", "eval_ppl", "elapsed_s"]
-
-# Dense peak TFLOP/s per device for (16-bit, fp32/tf32) math; MFU is left blank for others.
-PEAK_TFLOPS = {
-    "H200": (989.0, 494.0),
-    "H100 PCIe": (756.0, 378.0),
-    "H100": (989.0, 494.0),
-    "A100": (312.0, 156.0),
-    "L40S": (362.0, 183.0),
-    "A10G": (70.0, 35.0),
-    "L4": (121.0, 60.0),
-    "V100": (125.0, 15.7),
-}
-
-
-def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's peak for the training dtype, when it is a known GPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, (half, single) in PEAK_TFLOPS.items():  # "H100 PCIe" is listed before "H100"
-        if key in name:
-            return half if dtype in (torch.bfloat16, torch.float16) else single
-    return None
-
 
 _GIB = float(1 << 30)
 # This process's highest reading so far, per device type: the peak reported never falls below a current one.

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Sequence
+from zerotrain.config.errors import UserInputError
 
 LOG_NAME, PID_NAME, STOP_NAME, STARTED_NAME = "train.log", "train.pid", "STOP", "train.started"
 # A second Ctrl-C this long after the first stops at once, without the checkpoint. Sooner
@@ -28,7 +29,7 @@ LOG_NAME, PID_NAME, STOP_NAME, STARTED_NAME = "train.log", "train.pid", "STOP", 
 FORCE_AFTER_S = 2.0
 
 
-class RunControlError(Exception):
+class RunControlError(UserInputError):
     """A request about a run directory that cannot be carried out (no run there, already running)."""
 
 

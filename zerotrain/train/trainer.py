@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 import zerotrain
 from zerotrain.checkpoint.hf_export import TOKENIZER_DIR
-from zerotrain.distributed import device_for, init_distributed
-from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory, peak_tflops
+from zerotrain.comm.distributed import device_for, init_distributed
+from zerotrain.profiling.device_peaks import peak_tflops
+from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory
 from zerotrain.train.model import build_model, decay_groups, enable_gradient_checkpointing, max_positions
 from zerotrain.train.progress import TrainingProgress
 from zerotrain.train.run_control import StopSignal, mark_started

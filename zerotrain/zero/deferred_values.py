@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerotrain import distributed as zdist
+from zerotrain.comm import distributed as zdist
 
 _SLICE = "_zerotrain_deferred_slice"  # this rank's slice of the written value (flattened, padded)
 INIT_VALUE = "_zerotrain_init_value"  # a small parameter's value from its module's __init__ (rank-local)

@@ -116,7 +116,7 @@ class FlatParam:
         if self._pending_gather is None:
             if self.swap is not None and self.swap.fetch(self, async_op):
                 return
-            from zerotrain import distributed as zdist
+            from zerotrain.comm import distributed as zdist
 
             self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
             shard = self.local_shard.to(self.data.device, non_blocking=True)  # offloaded shards come in first

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerotrain import distributed as zdist
+from zerotrain.comm import distributed as zdist
 from zerotrain.zero import deferred_values
 
 

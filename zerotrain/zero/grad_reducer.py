@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerotrain import distributed as zdist
+from zerotrain.comm import distributed as zdist
 from zerotrain.zero.flat_param import FlatParam
 
 # Reductions in flight before the oldest is waited on: bounds the memory held by

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from zerotrain import distributed as zdist
+from zerotrain.comm import distributed as zdist
 from zerotrain.zero import deferred_values
 from zerotrain.zero.deferred_values import replace_tensor
 from zerotrain.zero.init_journal import InitCall, InitJournal, RandomOpRecorder, initializer_names, unwrap

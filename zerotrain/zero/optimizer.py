@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zerotrain import distributed as zdist
+from zerotrain.comm import distributed as zdist
 from zerotrain.zero.flat_param import FlatParam
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerotrain import distributed as zdist
+from zerotrain.comm import distributed as zdist
 from zerotrain.zero.flat_param import FlatParam, split_into_buckets
 from zerotrain.zero.init_context import Materializer, has_deferred_params
 from zerotrain.zero.units import assign_params_to_units, find_layer_units

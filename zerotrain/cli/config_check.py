@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.json import JSON
 from rich.markup import escape
 
-from zerotrain.error_report import USAGE_EXIT_CODE, error_console, print_user_error
+from zerotrain.config.error_report import USAGE_EXIT_CODE, error_console, print_user_error
 
 # Top-level keys that make a YAML file a `zerotrain train` config rather than a DeepSpeed one.
 TRAIN_CONFIG_KEYS = frozenset({"inherit", "model", "data", "training", "zero", "logging", "output"})
@@ -132,3 +132,41 @@ def _problem(check, *args) -> list[str]:
     except ConfigError as error:
         return [str(error)]
     return []
+
+
+def add_config_parser(subparsers: argparse._SubParsersAction) -> None:
+    config = subparsers.add_parser(
+        "config", help="work with DeepSpeed and zerotrain train config files",
+        description="Work with DeepSpeed and zerotrain train config files.",
+    )
+    config_commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
+    check = config_commands.add_parser(
+        "check",
+        help="validate a config and print it with every value resolved",
+        description="Load a DeepSpeed config (JSON, with comments allowed), resolve its \"auto\" "
+        "values for the given world size and print the result. A zerotrain train YAML (sections model, "
+        "data, training, zero, logging, output, or inherit) is merged with the files it inherits, "
+        "validated and printed with every default filled in (--world-size applies to DeepSpeed configs only). "
+        "Exits 2 with the reason when the config is invalid.",
+    )
+    check.add_argument("path", metavar="PATH", help="the config file")
+    check.add_argument(
+        "--world-size",
+        "--world_size",
+        dest="world_size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="number of ranks to resolve batch sizes for (default: %(default)s)",
+    )
+    check.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='value for a key the config sets to "auto", dotted, e.g. scheduler.params.total_num_steps=100; '
+        "VALUE is read as JSON when it parses (1e-3, true, [1,2]), else as a string. For a zerotrain train "
+        "YAML, any key: the same as --section.key VALUE on zerotrain train. Repeatable.",
+    )
+    check.set_defaults(handler=run_config_check)

@@ -14,8 +14,8 @@ except ModuleNotFoundError:
     ) from None
 
 from zerotrain import add_config_arguments, init_distributed, initialize
-from zerotrain.deepspeed_standin import VERSION as __version__
-from zerotrain.engine import Engine as DeepSpeedEngine
+from zerotrain.compat.deepspeed_standin import VERSION as __version__
+from zerotrain.runtime.engine import Engine as DeepSpeedEngine
 from zerotrain.compat.unsupported_features import tp_model_init
 
 # DeepSpeed's own layout: these are attributes of `deepspeed` once it is imported.

@@ -6,7 +6,7 @@
 
 The command replaces this process (its exit status and signals are its own); it and every
 process it starts find the `deepspeed` stand-in first on PYTHONPATH and a `deepspeed`
-command (`zerotrain launch`) first on PATH. See zerotrain/deepspeed_standin.py.
+command (`zerotrain launch`) first on PATH. See zerotrain/compat/deepspeed_standin.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import argparse
 import os
 import shutil
 
-from zerotrain.deepspeed_standin import with_standin
-from zerotrain.error_report import USAGE_EXIT_CODE, print_user_error
+from zerotrain.compat.deepspeed_standin import with_standin
+from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
 
 
 def add_run_command_parser(subparsers: argparse._SubParsersAction) -> None:

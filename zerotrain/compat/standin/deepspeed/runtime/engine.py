@@ -1,5 +1,5 @@
 """`deepspeed.runtime.engine.DeepSpeedEngine` is zerotrain's Engine."""
 
-from zerotrain.engine import Engine as DeepSpeedEngine
+from zerotrain.runtime.engine import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from zerotrain.config import ConfigError, load_config, resolve_config
-from zerotrain.distributed import device_for, init_distributed
+from zerotrain.comm.distributed import device_for, init_distributed
 
 
 def initialize(
@@ -44,7 +44,7 @@ def initialize(
     Returns:
         (engine, optimizer, training_dataloader, lr_scheduler)
     """
-    from zerotrain.engine import Engine  # the engine imports torch-heavy modules; keep `import zerotrain` light
+    from zerotrain.runtime.engine import Engine  # the engine imports torch-heavy modules; keep `import zerotrain` light
 
     if model is None:
         raise ValueError("zerotrain.initialize needs a model (model=...)")

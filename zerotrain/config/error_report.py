@@ -1,4 +1,4 @@
-"""How the CLI shows a user's error: one message naming what, where and the fix.
+"""How a job or the CLI shows a user's error: one message naming what, where and the fix.
 
 A traceback buries that message, so it is shown only when asked for with
 ZEROTRAIN_DEBUG=1 (for bug reports, or when the message is not enough).
@@ -11,6 +11,8 @@ import traceback
 
 from rich.console import Console
 from rich.markup import escape
+
+from zerotrain.config.errors import UserInputError
 
 DEBUG_ENV = "ZEROTRAIN_DEBUG"
 # Exit status for a bad command line or an invalid config or input, as argparse uses.
@@ -54,10 +56,4 @@ def _is_unexpected(error: BaseException | str) -> bool:
     The user's input is a config, a file or path, a command line, a checkpoint or a run folder:
     the error classes raised for those say what is wrong and how to fix it by themselves.
     """
-    from zerotrain.checkpoint.errors import CheckpointError
-    from zerotrain.config.errors import ConfigError
-    from zerotrain.launcher.local import LaunchError
-    from zerotrain.train.run_control import RunControlError
-
-    expected = (ConfigError, ValueError, OSError, CheckpointError, LaunchError, RunControlError)
-    return isinstance(error, BaseException) and not isinstance(error, expected)
+    return isinstance(error, BaseException) and not isinstance(error, (UserInputError, ValueError, OSError))

@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from zerotrain.distributed import read_launch_env
-from zerotrain.engine_accessors import DeepSpeedAccessors
+from zerotrain.comm.distributed import read_launch_env
+from zerotrain.runtime.engine_accessors import DeepSpeedAccessors
 from zerotrain.optim import build_optimizer, build_scheduler
-from zerotrain.precision import build_loss_scaler
+from zerotrain.runtime.precision import build_loss_scaler
 from zerotrain.profiling.engine_profiler import EngineFlopsProfiler
-from zerotrain.teardown import own_group
-from zerotrain.wall_clock import WallClockBreakdown
+from zerotrain.comm.teardown import own_group
+from zerotrain.runtime.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
 from zerotrain.zero.param_gatherer import ParamGatherer

@@ -7,7 +7,7 @@ from zerotrain.launcher.job_environment import ENV_FILE_NAME as DEEPSPEED_ENVIRO
 
 def main(args=None) -> None:
     """`python -m deepspeed.launcher.runner ...` is `zerotrain launch ...`."""
-    from zerotrain.cli import main as zerotrain_main
+    from zerotrain.cli.main import main as zerotrain_main
 
     sys.exit(zerotrain_main(["launch", *(sys.argv[1:] if args is None else args)]))
 

@@ -1,7 +1,7 @@
 """The `deepspeed` stand-in: a real `deepspeed` package, shipped inside zerotrain, that
-hands out zerotrain's own objects (`deepspeed.DeepSpeedEngine` *is* `zerotrain.engine.Engine`).
+hands out zerotrain's own objects (`deepspeed.DeepSpeedEngine` *is* `zerotrain.runtime.engine.Engine`).
 
-It lives in `zerotrain/standin/` (the `deepspeed` package, its `.dist-info` metadata and a
+It lives in `zerotrain/compat/standin/` (the `deepspeed` package, its `.dist-info` metadata and a
 `deepspeed` command), a folder that is never on `sys.path` by itself: `import zerotrain`
 changes nothing. `zerotrain run` and `zerotrain launch` put it first on `PYTHONPATH` and
 `PATH` for the processes they start, so a Hugging Face Trainer or Accelerate script that

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zerotrain.teardown import destroy_default_group_at_exit
+from zerotrain.comm.teardown import destroy_default_group_at_exit
 
 # torch 2.13 renamed the tensor collectives; older versions only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
