@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one part per call:  benchmarks/gpu/run.sh correct|speed|size|all
+# The GPU check, one part per call:  benchmarks/gpu/run.sh correct|speed|size|all [PART ARGS...]
 #
 # On the GPU machine (no network; see docs/gpu.md): installs the wheels carried in .whl/ into a
 # folder of their own, installs zerotrain from this tree (with its `zerotrain` command), runs the
@@ -11,10 +11,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 part=${1:-}
+shift || true
 case "$part" in
   correct|speed|size|all) ;;
-  *) echo "usage: benchmarks/gpu/run.sh correct|speed|size|all   (docs/gpu.md)" >&2; exit 2 ;;
+  *) echo "usage: benchmarks/gpu/run.sh correct|speed|size|all [PART ARGS...]   (docs/gpu.md)" >&2; exit 2 ;;
 esac
+if [ "$part" = all ] && [ $# -gt 0 ]; then
+  echo "run.sh all takes no part arguments: name one part to pass them to it" >&2; exit 2
+fi
 PYTHON=${PYTHON:-python3}
 DRY=${GPU_CHECK_DRY:-0}
 RESULTS=${OUT:-runs/gpu}
@@ -85,14 +89,15 @@ fi
 
 # --- 3. the parts ------------------------------------------------------------------------------
 status=0
-run_part() {  # PART: its output goes to the terminal and to $RESULTS/PART.log
+run_part() {  # PART [ARGS...]: its output goes to the terminal and to $RESULTS/PART.log
   local name=$1 rc=0
+  shift
   local extra_path=""
   if [ "$name" != correct ] && [ "$DRY" != 1 ] && [ -d "$SITE/deepspeed" ]; then
     extra_path="$SITE/deepspeed:"  # DeepSpeed only for the comparisons: tests assert it is absent
   fi
   say "part $name -> $RESULTS"
-  PYTHONPATH="$extra_path${PYTHONPATH:-}" "$PYTHON" "benchmarks/gpu/$name.py" --out-dir "$RESULTS" \
+  PYTHONPATH="$extra_path${PYTHONPATH:-}" "$PYTHON" "benchmarks/gpu/$name.py" --out-dir "$RESULTS" "$@" \
     2>&1 | tee "$RESULTS/$name.log" || rc=$?
   # Scratch a part left beside its results travels as one archive ($OUT brings back few files).
   if [ -d "$RESULTS/$name-logs" ]; then
@@ -105,6 +110,6 @@ run_part() {  # PART: its output goes to the terminal and to $RESULTS/PART.log
 if [ "$part" = all ]; then
   for p in correct speed size; do run_part "$p"; done
 else
-  run_part "$part"
+  run_part "$part" "$@"
 fi
 exit $status

@@ -16,33 +16,21 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
 GIB = 2**30
 
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, matched against
-# torch.cuda.get_device_name() in this order (the first pattern that matches wins).
-PEAK_BF16_TFLOPS: list[tuple[str, float, str]] = [
-    (r"H100.*PCIe", 756.0, "H100 PCIe datasheet"),
-    (r"H100.*NVL", 835.0, "H100 NVL datasheet"),
-    (r"GH200", 989.0, "GH200 datasheet (H100 SXM rate)"),
-    (r"H100", 989.0, "H100 SXM datasheet"),
-    (r"H200", 989.0, "H200 datasheet (H100 SXM rate)"),
-    (r"B200", 2250.0, "B200 datasheet"),
-    (r"A100", 312.0, "A100 datasheet"),
-    (r"L40S", 362.0, "L40S datasheet"),
-]
-
-
 def peak_tflops(device_name: str) -> tuple[float | None, str]:
-    """(dense bf16 peak TFLOP/s, where it comes from) for a device name; (None, why) if unknown."""
-    for pattern, tflops, source in PEAK_BF16_TFLOPS:
-        if re.search(pattern, device_name):
-            return tflops, source
-    return None, f"no dense bf16 peak known for {device_name!r}: MFU not computed (pass --peak-tflops)"
+    """(dense bf16 peak TFLOP/s, where it comes from) for a device name; (None, why) if unknown.
+    The table is zerotrain's own (zerotrain/profiling/device_peaks.py), the one `zerotrain train` uses."""
+    from zerotrain.profiling.device_peaks import peak_tflops_by_name
+
+    tflops = peak_tflops_by_name(device_name)
+    if tflops is None:
+        return None, f"no dense bf16 peak known for {device_name!r}: MFU not computed (pass --peak-tflops)"
+    return tflops, f"datasheet dense bf16 peak for {device_name!r} (zerotrain/profiling/device_peaks.py)"
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,13 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path):
     assert "| **all** |" in (out / "correct.md").read_text()
 
     speed = json.loads((out / "speed.json").read_text())
-    assert speed
+    assert speed["meta"]["dry"] and speed["meta"]["complete"] and speed["zerotrain_ok"]
+    for engine in ("plain", "zerotrain-0", "zerotrain-1", "zerotrain-2", "zerotrain-3"):
+        for mode in ("off", "on"):  # activation checkpointing
+            row = speed["results"][engine][mode]
+            assert row["ok"] and row["tokens_per_s"] > 0 and row["planner_gib"] > 0, (engine, mode, row)
+            assert row["loss_final"] < row["loss_first"], (engine, mode, "did not train")
+    assert {t["target"].split(" ")[0] for t in speed["targets"]} >= {"zerotrain-0"}
+    assert "| zerotrain-3 | on |" in (out / "speed.md").read_text()
     size = json.loads((out / "size.json").read_text())
     assert size

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import torch
 
-# Dense peak TFLOP/s per device for (16-bit, fp32/tf32) math; MFU is left blank for others.
+# Dense (no sparsity) peak TFLOP/s per device for (16-bit, fp32/tf32) math, from NVIDIA's datasheets;
+# MFU is left blank for others. Matched in this order against the CUDA device name: the first wins.
 PEAK_TFLOPS = {
+    "GH200": (989.0, 494.0),
     "H200": (989.0, 494.0),
     "H100 PCIe": (756.0, 378.0),
+    "H100 NVL": (835.0, 418.0),
     "H100": (989.0, 494.0),
+    "B200": (2250.0, 1100.0),
     "A100": (312.0, 156.0),
     "L40S": (362.0, 183.0),
     "A10G": (70.0, 35.0),
@@ -29,7 +33,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 def peak_tflops_by_name(name: str, dtype: torch.dtype = torch.bfloat16) -> float | None:
     """The peak for a device name as CUDA reports it ("NVIDIA H100 80GB HBM3"); None if unknown."""
-    for key, (half, single) in PEAK_TFLOPS.items():  # "H100 PCIe" is listed before "H100"
+    for key, (half, single) in PEAK_TFLOPS.items():  # "H100 PCIe" and "H100 NVL" are listed before "H100"
         if key in name:
             return half if dtype in (torch.bfloat16, torch.float16) else single
     return None
