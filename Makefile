@@ -24,9 +24,10 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/zerotrain train --overwrite  # a demo re-runs from scratch; real runs refuse to overwrite
 
-# The whole suite (CI runs this). It includes the dry GPU check, which installs the GPU wheels.
+# The whole suite (CI runs this; under 20 minutes on 2 cores). It includes the dry GPU check,
+# which installs the GPU wheels. Prints the 30 slowest tests; pytest's last line is the wall time.
 test: install gpu-wheels
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=30
 
 # The GPU check kit (docs/gpu.md). gpu-wheels: every wheel the GPU machine lacks, into the ignored
 # .whl/ (network needed once). gpu-check: all three parts; on a GPU machine with its own python3,

@@ -10,7 +10,6 @@ every default filled in.  Either way a problem is one message naming the file an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,25 +18,20 @@ from rich.console import Console
 from rich.json import JSON
 from rich.markup import escape
 
-from zerotrain.config.error_report import USAGE_EXIT_CODE, error_console, print_user_error
+from zerotrain.config.error_report import (
+    USAGE_EXIT_CODE,
+    error_console,
+    print_user_error,
+)
+from zerotrain.config.overrides import parse_key_values
 
 # Top-level keys that make a YAML file a `zerotrain train` config rather than a DeepSpeed one.
 TRAIN_CONFIG_KEYS = frozenset({"inherit", "model", "data", "training", "zero", "logging", "output"})
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, object]:
-    """Turns ``["a.b=1e-3", "c=x"]`` into ``{"a.b": 0.001, "c": "x"}`` (JSON values where they parse)."""
-    overrides: dict[str, object] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            value: object = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        overrides[key.strip()] = value
-    return overrides
+    """Turns ``["a.b=1e-3", "c=x"]`` into ``{"a.b": 0.001, "c": "x"}`` (config/overrides.py reads the values)."""
+    return parse_key_values(items, "--set", "scheduler.params.total_num_steps=100")
 
 
 _MISSING = object()

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from zerotrain.config.errors import ConfigError
+from zerotrain.config.overrides import parse_key_values
 
 _YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -133,13 +134,5 @@ def _from_section(section: Any, overrides: dict[str, Any]) -> nn.Module:
 
 
 def parse_config_overrides(items: list[str]) -> dict[str, Any]:
-    """`["hidden_size=4096", "tie_word_embeddings=false"]` → a dict, values read as YAML scalars."""
-    import yaml
-
-    values: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--config-override {item!r}: expected KEY=VALUE, e.g. hidden_size=4096")
-        values[key.strip()] = yaml.safe_load(text) if text.strip() else None
-    return values
+    """`["hidden_size=4096", "tie_word_embeddings=false"]` -> a dict (config/overrides.py reads the values)."""
+    return parse_key_values(items, "--config-override", "hidden_size=4096")

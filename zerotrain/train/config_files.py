@@ -15,7 +15,8 @@ from typing import Any, Mapping, Sequence
 from pydantic import BaseModel
 
 from zerotrain.config.errors import ConfigError, render_value
-from zerotrain.config.loader import _parse_yaml, read_config_file
+from zerotrain.config.loader import read_config_file
+from zerotrain.config.overrides import override_value
 from zerotrain.train.config import (
     DEFAULT_CONFIG_PATH,
     MODEL_SOURCES,
@@ -137,11 +138,7 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
                 f"{token!r} is not an override: write --section.key VALUE, e.g. --training.micro_batch_size 4 "
                 f"(sections: {', '.join(_section_names())})"
             )
-        try:
-            value = _parse_yaml(text, f"--{dotted}")
-        except ConfigError:
-            value = text
-        pairs.append((dotted, value))
+        pairs.append((dotted, override_value(text, f"--{dotted}")))
     return pairs
 
 
