@@ -66,4 +66,11 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path):
     assert {t["target"].split(" ")[0] for t in speed["targets"]} >= {"zerotrain-0"}
     assert "| zerotrain-3 | on |" in (out / "speed.md").read_text()
     size = json.loads((out / "size.json").read_text())
-    assert size
+    assert size["dry"]
+    for mode in ("zero2-offload-opt", "zero3-offload-opt-param"):
+        found = size["results"][mode]["zerotrain"]
+        # the dry run's fake host limit makes the search find a size that trains and the next that does not
+        assert found["largest"] and found["tokens_per_s_at_largest"] > 0, (mode, found)
+        assert found["first_failing_reason"] == "host memory", (mode, found)
+        assert size["planner"][mode]["largest"], mode
+    assert "predicted largest" in (out / "size.md").read_text()
