@@ -29,6 +29,11 @@ demo: install
 test: install gpu-wheels
 	$(PY) -m pytest -q --durations=30
 
+# The fast loop while developing (under 3 minutes on 2 cores): the unit tests and one
+# multi-process case per area; everything marked `slow` is left to `make test`.
+check: install
+	$(PY) -m pytest -q -m "not slow" --durations=10
+
 # The GPU check kit (docs/gpu.md). gpu-wheels: every wheel the GPU machine lacks, into the ignored
 # .whl/ (network needed once). gpu-check: all three parts; on a GPU machine with its own python3,
 # or GPU_CHECK_DRY=1 on a CPU machine (this venv, Gloo, tiny sizes), which `make test` also runs.

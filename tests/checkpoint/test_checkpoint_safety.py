@@ -16,6 +16,8 @@ from llama_workload import global_batch, make_model, param_groups, zero_config
 from zerotrain.checkpoint import CheckpointError, CheckpointReader
 from zerotrain.checkpoint.coordination import PAUSE_ENV, TIMEOUT_ENV
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 
 def _engine(stage: int = 2, world: int = 2, seed: int = 0):
     model = make_model(seed=seed)

@@ -194,6 +194,7 @@ def test_hf_export_lists_missing_parameter_names_before_writing(tmp_path):
 
 # --- memory: consolidation streams, it never holds the model ----------------------------------
 
+@pytest.mark.slow
 def test_peak_memory_stays_near_one_output_shard(tmp_path):
     params = {f"layer.{i}.weight": torch.full((512, 512), float(i)) for i in range(200)}  # 200 x 1 MiB
     model_bytes = sum(t.numel() * 4 for t in params.values())

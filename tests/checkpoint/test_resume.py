@@ -114,13 +114,27 @@ def _reshard_id(before, after) -> str:
 
 
 @pytest.fixture(scope="module")
-def reshard_runs(request, tmp_path_factory):
+def reshard_groups() -> dict:
+    """Each group's results, computed on its first case (an indirect parameter repeated across cases
+    would otherwise rebuild a module-scoped fixture for every case)."""
+    return {}
+
+
+@pytest.fixture
+def reshard_runs(request, reshard_groups, tmp_path_factory):
+    """The results of the test's group ("cpu" or "gpu", an indirect parameter)."""
+    if request.param not in reshard_groups:
+        reshard_groups[request.param] = _reshard_group(request.param, tmp_path_factory)
+    return reshard_groups[request.param]
+
+
+def _reshard_group(group: str, tmp_path_factory) -> dict:
     """Saves at (N, s), goes on at (N, s) as the reference, and at (M, t) from the same checkpoint,
-    for the cases of one group ("cpu": RESHARD, "gpu": RESHARD_GPU; indirect from the test's parameter).
+    for the cases of one group ("cpu": RESHARD, "gpu": RESHARD_GPU).
 
     Jobs are grouped by (world size, device) so that each is spawned once per phase.
     """
-    cases = RESHARD_GPU if request.param == "gpu" else RESHARD
+    cases = RESHARD_GPU if group == "gpu" else RESHARD
     root = tmp_path_factory.mktemp("reshard")
     ckpt = {before: str(root / f"w{before[0]}s{before[1]}{before[2]}") for before, _ in cases}
     jobs: dict[tuple, list] = {}
@@ -148,7 +162,7 @@ def _global_losses(ranks: list[dict]) -> list[float]:
 
 @pytest.mark.parametrize(
     "reshard_runs,before,after",
-    [pytest.param("cpu", a, b, id=_reshard_id(a, b)) for a, b in RESHARD]
+    [pytest.param("cpu", a, b, id=_reshard_id(a, b), marks=pytest.mark.slow) for a, b in RESHARD]
     + [pytest.param("gpu", a, b, id=_reshard_id(a, b), marks=pytest.mark.cuda) for a, b in RESHARD_GPU],
     indirect=["reshard_runs"],
 )

@@ -94,6 +94,7 @@ def _load_torch_files(files: list[Path]) -> dict[str, torch.Tensor]:
 # --- on the engine's own checkpoints ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_state_dict_equals_the_engines_fp32_masters_exactly(saved):
     save_dir, masters = saved
     state = get_fp32_state_dict_from_zero_checkpoint(save_dir)

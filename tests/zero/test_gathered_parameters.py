@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from conftest import run_on_ranks
 from llama_workload import global_batch, make_model, param_groups, zero_config
+
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
 
 def _edit_on_rank0() -> dict:

@@ -18,6 +18,8 @@ import pytest
 from conftest import run_on_ranks
 from llama_workload import global_batch, train_zerotrain, zero_config
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 
 def _measure(world: int) -> dict:
     from zerotrain.comm.distributed import COMM_COUNTER

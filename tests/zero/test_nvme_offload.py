@@ -180,6 +180,7 @@ def runs(tmp_path_factory):
     return run_on_ranks(WORLD, _all_cases, str(root), str(root / "ckpt"))
 
 
+@pytest.mark.slow
 def test_master_optimizer_state_and_gradients_live_in_files_between_steps(runs):
     for r in (rank["optimizer"] for rank in runs):
         assert r["resident"]["master"] == 0 and r["resident"]["optimizer_state"] == 0 and r["resident"]["grads"] == 0

@@ -79,7 +79,8 @@ OFFLOAD_CASES = (  # (name, stage, dtype, accumulation steps, zero_optimization 
 )
 
 
-@pytest.fixture(scope="module", params=[(2, "cpu"), (4, "cpu"), on_gpu((1, "gpu"), "gpu-world1")],
+@pytest.fixture(scope="module", params=[(2, "cpu"), pytest.param((4, "cpu"), marks=pytest.mark.slow, id="world4"),
+                                        on_gpu((1, "gpu"), "gpu-world1")],
                 ids=lambda p: f"world{p[0]}")
 def world_runs(request):
     """(world size, device, per-rank results of every case)."""

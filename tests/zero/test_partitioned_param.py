@@ -140,6 +140,7 @@ def _stage3_engine_parameters() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_stage3_engine_parameters_are_partitioned_and_training_still_matches():
     ref_losses, _ = train_reference(steps=3)
     per_rank = run_on_ranks(2, _stage3_engine_parameters)

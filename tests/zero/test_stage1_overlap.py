@@ -17,6 +17,8 @@ import torch
 from conftest import run_on_ranks
 from llama_workload import global_batch, make_model, param_groups, zero_config
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 
 def _micro_batch(engine, step: int, micro: int) -> torch.Tensor:
     ids = global_batch(step)

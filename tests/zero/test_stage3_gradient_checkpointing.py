@@ -7,6 +7,8 @@ import pytest
 from conftest import run_on_ranks
 from llama_workload import train_reference, train_zerotrain, zero_config
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 
 def _train_checkpointed(reuse: int):
     config = zero_config(3, 2, 1, stage3_max_reuse_distance=reuse)

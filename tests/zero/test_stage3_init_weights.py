@@ -9,10 +9,14 @@ trajectory do not depend on the stage.
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 from torch import nn
 
 from conftest import run_on_ranks
+
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
 
 def _initial_weights(stage: int, tied: bool) -> dict:

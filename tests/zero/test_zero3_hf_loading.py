@@ -21,6 +21,8 @@ import torch
 
 from conftest import run_on_ranks
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 VOCAB, ADDED, PROMPT_LEN, NEW_TOKENS = 128, 8, 6, 5
 DS_CONFIG = {
     "zero_optimization": {"stage": 3},

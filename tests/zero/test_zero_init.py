@@ -9,6 +9,8 @@ held, not what the allocator keeps around after a free.
 
 from __future__ import annotations
 
+import pytest
+
 import re
 
 import torch
@@ -16,6 +18,8 @@ from torch import nn
 
 from conftest import run_on_ranks
 from llama_workload import STEPS, global_batch, make_model, param_groups, zero_config
+
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
 MiB = 2**20
 
