@@ -9,6 +9,8 @@ import torch
 
 from conftest import run_on_ranks
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 
 def _model_section(**overrides):
     sizes = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,

@@ -35,6 +35,7 @@ def _latest(run: Path) -> str:
     return (run / "checkpoints" / "latest").read_text().strip()
 
 
+@pytest.mark.slow
 def test_rerun_into_a_folder_that_holds_a_run_is_refused_until_resume_or_overwrite(zerotrain_cli, tmp_path):
     run = tmp_path / "run"
     _train(zerotrain_cli, run, "--training.max_steps", "2")
@@ -53,6 +54,7 @@ def test_rerun_into_a_folder_that_holds_a_run_is_refused_until_resume_or_overwri
     assert _tags(run) == ["step1"] and _latest(run) == "step1"
 
 
+@pytest.mark.slow
 def test_pruning_keeps_an_earlier_runs_higher_tags_and_never_the_latest(zerotrain_cli, tmp_path):
     run = tmp_path / "run"
     _train(zerotrain_cli, run, "--training.max_steps", "8", "--training.save_interval", "2",
@@ -96,6 +98,7 @@ def test_a_foreground_run_refuses_a_folder_with_a_live_run(zerotrain_cli, tmp_pa
         live.wait()
 
 
+@pytest.mark.slow
 def test_resume_with_another_global_batch_or_schedule_says_old_and_new(zerotrain_cli, tmp_path):
     run = tmp_path / "run"
     _train(zerotrain_cli, run, "--training.max_steps", "2")
@@ -133,6 +136,7 @@ def _interrupt(run: Path, nproc: int, sig: signal.Signals, whole_group: bool, cw
     [(1, signal.SIGINT, True), (2, signal.SIGINT, True), (2, signal.SIGTERM, False)],
     ids=["ctrl_c-1-process", "ctrl_c-2-processes", "sigterm-2-processes"],
 )
+@pytest.mark.slow
 def test_ctrl_c_or_sigterm_saves_the_current_step_and_says_how_to_resume(tmp_path, nproc, sig, whole_group):
     run = tmp_path / "run"
     cwd = tmp_path / "cwd"
@@ -146,6 +150,7 @@ def test_ctrl_c_or_sigterm_saves_the_current_step_and_says_how_to_resume(tmp_pat
     assert _latest(run) == f"step{step}" and step >= 2
 
 
+@pytest.mark.slow
 def test_detach_reports_started_only_once_the_ranks_are_up(zerotrain_cli, tmp_path):
     run = tmp_path / "run"
     proc = _train(zerotrain_cli, run, "--nproc_per_node", "2", "--training.max_steps", "100000",
@@ -158,6 +163,7 @@ def test_detach_reports_started_only_once_the_ranks_are_up(zerotrain_cli, tmp_pa
         assert stop.returncode == 0, stop.stderr
 
 
+@pytest.mark.slow
 def test_detach_of_a_run_that_dies_at_start_shows_its_error_and_fails(zerotrain_cli, tmp_path):
     run = tmp_path / "run"
     # Valid config, but the model cannot be built: the run dies after it was detached.

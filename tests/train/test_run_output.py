@@ -71,6 +71,7 @@ def _stages_0_and_3() -> tuple[list, list]:
     return _model_states(0), _model_states(3)
 
 
+@pytest.mark.slow
 def test_stage3_model_states_per_rank_are_half_of_stage0s():
     stage0, stage3 = run_on_ranks(2, _stages_0_and_3)[0]
     assert len(stage0) == len(stage3) == 2  # every rank's figures, gathered on each
@@ -159,6 +160,7 @@ def stage3_run(tmp_path_factory):
     return run, proc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_output_off_a_terminal_has_whole_lines_and_no_bar(stage3_run):
     run, proc = stage3_run
@@ -183,6 +185,7 @@ def _modes(directory: Path) -> dict[str, int]:
     return {p.name: stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir() if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_consolidate_hf_writes_the_runs_tokenizer_and_architecture(stage3_run, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import device_env, on_gpu, zerotrain_script
+
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
 ZEROTRAIN = [zerotrain_script()]  # the installed console script, as users run it
 # A short job on the default model and data: 12 steps, a checkpoint every 4, a metrics row every step.
