@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 from conftest import FIXTURES, _free_port, device_env, on_gpu, user_env, zerotrain_script
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 JOB = FIXTURES / "scripts" / "accelerate_job.py"
 CONFIGS = FIXTURES / "configs" / "accelerate"
 

@@ -28,6 +28,8 @@ from trainer_fixture import STEPS, TrainerJobs, TrainerRun, job_module
 
 from zerotrain.compat.deepspeed_standin import STANDIN_DIR
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 LOSS_TOLERANCE = 1e-4
 
 # name -> (how it is started, extra job arguments). Each runs at most once per module.
