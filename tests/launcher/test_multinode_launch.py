@@ -6,6 +6,8 @@ The console script runs from a temp folder, as a user runs it; nodes are reached
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import re
@@ -66,6 +68,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+@pytest.mark.slow
 def test_two_nodes_of_two_ranks_train_like_one_node_of_four_with_deepspeed_env(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -106,6 +109,7 @@ def _start_sleeping_job(cluster, cwd: Path, pids_dir: Path, job_id: str) -> subp
     return launcher
 
 
+@pytest.mark.slow
 def test_failing_rank_on_second_node_stops_the_job_everywhere_and_spares_another_job(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -133,6 +137,7 @@ def test_failing_rank_on_second_node_stops_the_job_everywhere_and_spares_another
             bystander.wait()
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_launcher_ends_every_process_of_the_job(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -148,6 +153,7 @@ def test_sigkill_of_the_launcher_ends_every_process_of_the_job(ssh_cluster, tmp_
             launcher.kill()
 
 
+@pytest.mark.slow
 def test_hang_timeout_prints_every_ranks_python_stack(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -196,6 +202,7 @@ def test_dry_run_prints_the_rank_table_and_each_node_command_without_connecting(
     assert jobs[0]["target_args"] == ["--lr", "1e-3"] and jobs[0]["master_addr"] == "10.1.2.3"
 
 
+@pytest.mark.slow
 def test_elastic_job_goes_on_with_the_first_node_when_the_second_nodes_agent_is_killed(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -246,6 +253,7 @@ def test_slurm_launcher_outside_an_allocation_says_how_to_get_one(zerotrain_cli)
     assert done.returncode == 2 and "salloc" in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_mpirun_command_line_for_each_mpi_launcher(zerotrain_cli, tmp_path):
     (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
     hostfile = tmp_path / "hostfile"
@@ -281,6 +289,7 @@ def test_a_bad_hostfile_line_is_reported_with_file_line_and_fix(zerotrain_cli, t
     assert done.returncode == 2 and f"{hostfile}:2" in done.stderr and "slots=" in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_zerotrain_train_with_a_hostfile_trains_on_both_nodes(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -297,6 +306,7 @@ def test_zerotrain_train_with_a_hostfile_trains_on_both_nodes(ssh_cluster, tmp_p
     assert (run / "metrics.csv").is_file() and (run / "checkpoints" / "latest").is_file()
 
 
+@pytest.mark.slow
 def test_a_preflight_failure_stops_the_launch_before_any_rank_starts(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
