@@ -3,9 +3,13 @@ once, report, and find the node that was slowed on purpose (docs/bench.md)."""
 
 from __future__ import annotations
 
+import pytest
+
 import csv
 
 from conftest import FIXTURES
+
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
 NODES = ["127.0.0.31", "127.0.0.32", "127.0.0.33"]
 SLOW = "127.0.0.32"

@@ -142,6 +142,7 @@ def _env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
+@pytest.mark.slow
 def test_comm_on_two_nodes_prints_every_collective_and_size_and_the_pair(make_ssh_nodes, tmp_path):
     cluster = make_ssh_nodes(["127.0.0.21", "127.0.0.22"])
     cwd = tmp_path / "cwd"

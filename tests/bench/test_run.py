@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -58,6 +60,7 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_three_jobs_run_at_once_and_end_finished_failed_and_timeout(make_ssh_nodes, tmp_path):
     cluster = make_ssh_nodes(NODES)
     hostfiles, run = _hostfiles(tmp_path / "hostfiles", NODES), tmp_path / "run"
@@ -102,6 +105,7 @@ def test_three_jobs_run_at_once_and_end_finished_failed_and_timeout(make_ssh_nod
     assert f"zerotrain bench report {run} --threshold" in done.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_to_bench_run_stops_every_job_and_writes_its_status(make_ssh_nodes, tmp_path):
     cluster = make_ssh_nodes(NODES[:1])
     hostfiles, run, markers = _hostfiles(tmp_path / "hostfiles", NODES[:1]), tmp_path / "run", tmp_path / "m"

@@ -64,6 +64,7 @@ def _free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_tiny_workload_trains_on_two_nodes_and_writes_throughput(make_ssh_nodes, tmp_path):
     cluster = make_ssh_nodes(["127.0.0.21", "127.0.0.22"])
     job_dir = tmp_path / "run" / "batch-000"
