@@ -1,18 +1,13 @@
-"""Pre-flight checks of `zerotrain launch`: judging the probes' answers, the probe itself, and over real ssh.
+"""Pre-flight checks of `zerotrain launch`: judging the probes' answers.
 
-The judging tests feed made-up ssh results to `judge_preflight`, one rule at a time;
-the probe tests run preflight_probe.py locally as the launcher runs it remotely
-(source on stdin); the ssh tests run the whole round trip against sshd on 127.0.0.2/3.
+The tests feed made-up ssh results to `judge_preflight`, one rule at a time, and check
+the table `render_preflight` makes of the report.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -25,12 +20,11 @@ from zerotrain.launcher.preflight import (
     judge_preflight,
     min_open_files,
     parse_probe_output,
-    probe_command,
-    probe_source,
     render_preflight,
-    run_preflight,
 )
 from zerotrain.launcher.ssh import RUN_TIMEOUT_NOTE, SshOptions
+
+from .preflight_fixtures import cell, row
 
 PYTHON = "/opt/env/bin/python"
 CWD = "/home/u/project"
@@ -65,17 +59,6 @@ def answer(node_rank: int, **changes) -> subprocess.CompletedProcess:
 def judge(b=None, a=None, **kw):
     """Report for node-a (node 0) and node-b answering `a` and `b` (default: all good)."""
     return judge_preflight(request(**kw), {"node-a": a or answer(0), "node-b": b or answer(1)})
-
-
-def row(report, host):
-    return next(r for r in report.nodes if r.node.host == host)
-
-
-def cell(report, host, column):
-    return row(report, host).checks[column]
-
-
-# --------------------------------------------------------------------------- judging
 
 
 def test_all_good_answers_pass_with_every_column_ok():
@@ -276,184 +259,3 @@ def test_table_has_a_row_per_node_and_colours_failures_and_warnings():
     console.print(table)
     shown = console.export_text()
     assert "node-b" in shown and "ulimit -n" in shown and "256 < 1024" in shown and "64 KiB" in shown
-
-
-# --------------------------------------------------------------------------- the probe, run locally
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run_probe(tmp_path: Path, role: str, port: int, target="train.py", kind="script", cwd=None,
-              peers=1, window_s=5.0, token="t0k3n") -> subprocess.Popen:
-    params = {"cwd": str(cwd or tmp_path), "target": target, "target_kind": kind, "role": role,
-              "master_addr": "127.0.0.1", "master_port": port, "peers": peers, "window_s": window_s, "token": token}
-    proc = subprocess.Popen(["/bin/sh", "-c", probe_command(sys.executable)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc.stdin.write(probe_source(params))
-    proc.stdin.close()
-    return proc
-
-
-def probe_answer(proc: subprocess.Popen) -> dict:
-    out = proc.stdout.read()
-    assert proc.wait(timeout=30) == 0, proc.stderr.read()
-    found = parse_probe_output(out)
-    assert found is not None, out
-    return found
-
-
-def test_probe_reports_this_python_and_node_0_answers_node_1(tmp_path):
-    (tmp_path / "train.py").write_text("")
-    port = free_port()
-    start = time.monotonic()
-    listener = run_probe(tmp_path, "listen", port)
-    connector = run_probe(tmp_path, "connect", port)
-    node0, node1 = probe_answer(listener), probe_answer(connector)
-    assert time.monotonic() - start < 4  # both return as soon as the connection is made
-    assert node0["port"] == {"role": "listen", "ok": True, "accepted": 1}
-    assert node1["port"] == {"role": "connect", "ok": True}
-    expected_python = "%d.%d.%d" % sys.version_info[:3]
-    assert node1["python"] == expected_python and node1["cwd_exists"] and node1["target_present"]
-    import importlib.metadata
-
-    assert node1["torch"] == importlib.metadata.version("torch")
-    assert node1["zerotrain"] == importlib.metadata.version("zerotrain")
-    assert len(node1["nofile"]) == 2 and len(node1["memlock"]) == 2 and node1["gpus"] >= 0
-
-
-def test_probe_finds_missing_script_module_program_and_cwd(tmp_path):
-    (tmp_path / "localpkg").mkdir()
-    (tmp_path / "localpkg" / "__init__.py").write_text("raise SystemExit('must not be imported')")
-    cases = [("nope.py", "script", False), ("localpkg.sub", "module", True), ("no_such_mod_xyz", "module", False),
-             ("sh", "program", True), ("no-such-program-xyz", "program", False)]
-    for target, kind, present in cases:
-        found = probe_answer(run_probe(tmp_path, "listen", 0, target=target, kind=kind, peers=0))
-        assert found["target_present"] is present, (target, kind)
-    gone = probe_answer(run_probe(tmp_path, "listen", 0, cwd=tmp_path / "gone", peers=0))
-    assert gone["cwd_exists"] is False and gone["target_present"] is None
-
-
-def test_probe_on_node_0_reports_a_busy_port(tmp_path):
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        found = probe_answer(run_probe(tmp_path, "listen", port))
-    assert found["port"]["ok"] is False and "in use" in found["port"]["error"]
-
-
-def test_probe_tells_a_foreign_listener_and_an_absent_one_apart(tmp_path):
-    with socket.socket() as other:
-        other.bind(("127.0.0.1", 0))
-        other.listen()
-        other.settimeout(5)
-        proc = run_probe(tmp_path, "connect", other.getsockname()[1])
-        conn, _ = other.accept()
-        conn.sendall(b"HTTP/1.0 400 Bad Request\n")
-        found = probe_answer(proc)
-        conn.close()
-    assert found["port"]["ok"] is False and found["port"]["foreign"] is True
-    start = time.monotonic()
-    absent = probe_answer(run_probe(tmp_path, "connect", free_port(), window_s=1.0))
-    assert absent["port"] == {"role": "connect", "ok": False, "error": "Connection refused"}
-    assert time.monotonic() - start < 5  # retries stop when the window ends
-
-
-# --------------------------------------------------------------------------- over real ssh (sshd on 127.0.0.2/3)
-
-
-def ssh_request(cluster, tmp_path: Path, *, nodes=None, ssh_config=None, port=None, target="train.py",
-                python=sys.executable, cwd=None) -> PreflightRequest:
-    nodes = nodes or [Node(address, (0, 1), rank, 2 * rank) for rank, address in enumerate(cluster.addresses)]
-    return PreflightRequest(
-        nodes=nodes, python=python, cwd=str(cwd or tmp_path), target=target, target_kind="script",
-        master_addr=nodes[0].host, master_port=port or free_port(), world_size=2 * len(nodes),
-        ssh=SshOptions(extra_args=("-F", str(ssh_config or cluster.ssh_config))),
-    )
-
-
-@pytest.fixture
-def workdir(tmp_path):
-    (tmp_path / "train.py").write_text("print('hi')\n")
-    return tmp_path
-
-
-def test_two_good_nodes_pass_in_one_quick_round_trip(ssh_cluster, workdir):
-    start = time.monotonic()
-    report = run_preflight(ssh_request(ssh_cluster, workdir))
-    assert time.monotonic() - start < 10  # node 0 stops listening as soon as node 1 has reached it
-    assert report.ok, report.failures()
-    version = "%d.%d.%d" % sys.version_info[:3]
-    for row_ in report.nodes:
-        checks = row_.checks
-        # ulimit -n may warn on this machine (below 65536); nothing else may.
-        assert all(checks[k].status == "ok" for k in COLUMNS if k != "nofile"), checks
-        assert checks["python"].text == version
-    assert cell(report, "127.0.0.3", "master_port").text.startswith("reached 127.0.0.2:")
-
-
-def test_host_without_sshd_is_refused_and_named(ssh_cluster, workdir, tmp_path_factory):
-    # A Host block sends 127.0.0.9 to a port nothing listens on; the cluster's own blocks still apply.
-    config = tmp_path_factory.mktemp("cfg") / "ssh_config"
-    config.write_text(f"Include {ssh_cluster.ssh_config}\n\nHost 127.0.0.9\n    Port {free_port()}\n")
-    nodes = [Node("127.0.0.2", (0,), 0, 0), Node("127.0.0.9", (0,), 1, 1)]
-    report = run_preflight(ssh_request(ssh_cluster, workdir, nodes=nodes, ssh_config=config), timeout_s=4)
-    assert not report.ok
-    assert cell(report, "127.0.0.9", "ssh").text == "ssh connection refused"
-    failures = report.failures()
-    assert len(failures) == 1 and failures[0].startswith("127.0.0.9: ssh connection refused; ssh to 127.0.0.9")
-    assert cell(report, "127.0.0.2", "ssh").status == "ok"
-
-
-def test_other_torch_on_one_node_fails_naming_both_versions(make_ssh_nodes, workdir, tmp_path_factory):
-    import importlib.metadata
-
-    fake = tmp_path_factory.mktemp("fake-site")
-    (fake / "torch-0.0.1.dist-info").mkdir()
-    (fake / "torch-0.0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 0.0.1\n")
-    cluster = make_ssh_nodes(["127.0.0.2", "127.0.0.3"], set_env={"127.0.0.3": {"PYTHONPATH": str(fake)}})
-    report = run_preflight(ssh_request(cluster, workdir))
-    ours = importlib.metadata.version("torch")
-    assert report.failures() == [
-        f"127.0.0.3: torch 0.0.1 here, {ours} on node 0 (127.0.0.2); pip install torch=={ours} into {sys.executable} "
-        "on 127.0.0.3"
-    ]
-
-
-def test_busy_master_port_fails_on_node_0(ssh_cluster, workdir):
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.2", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        report = run_preflight(ssh_request(ssh_cluster, workdir, port=port))
-    check = cell(report, "127.0.0.2", "master_port")
-    assert check.status == "fail" and check.text.startswith(f"port {port} busy on 127.0.0.2")
-    assert [line.split(";")[0] for line in report.failures()] == [f"127.0.0.2: {check.text}"]
-    assert cell(report, "127.0.0.3", "master_port").text == "-"  # it reached the test's socket: meaningless
-
-
-def test_low_open_files_limit_fails_on_that_node(make_ssh_nodes, workdir):
-    cluster = make_ssh_nodes(["127.0.0.2", "127.0.0.3"], nofile_limit={"127.0.0.3": 256})
-    report = run_preflight(ssh_request(cluster, workdir))
-    check = cell(report, "127.0.0.3", "nofile")
-    assert (check.status, check.text) == ("fail", "ulimit -n 256, below 1024 needed for 4 ranks")
-    assert [line.split(";")[0] for line in report.failures()] == [f"127.0.0.3: {check.text}"]
-
-
-def test_missing_script_cwd_and_python_fail_on_every_node(ssh_cluster, workdir):
-    report = run_preflight(ssh_request(ssh_cluster, workdir, target="missing.py"))
-    assert [line.split(";")[0] for line in report.failures()] == [
-        f"{host}: script not found: missing.py (in {workdir})" for host in ssh_cluster.addresses
-    ]
-    report = run_preflight(ssh_request(ssh_cluster, workdir, cwd=workdir / "gone"))
-    assert [line.split(";")[0] for line in report.failures()] == [
-        f"{host}: cwd missing: {workdir / 'gone'}" for host in ssh_cluster.addresses
-    ]
-    report = run_preflight(ssh_request(ssh_cluster, workdir, python="/no/such/env/bin/python"))
-    assert [line.split(";")[0] for line in report.failures()] == [
-        f"{host}: python not found: /no/such/env/bin/python" for host in ssh_cluster.addresses
-    ]

@@ -1,0 +1,20 @@
+"""Helpers the test_preflight_*.py files share: a free local port, and a node's row or one cell
+of a pre-flight report."""
+
+from __future__ import annotations
+
+import socket
+
+
+def row(report, host):
+    return next(r for r in report.nodes if r.node.host == host)
+
+
+def cell(report, host, column):
+    return row(report, host).checks[column]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
