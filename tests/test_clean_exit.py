@@ -15,6 +15,8 @@ import pytest
 
 from conftest import FIXTURES
 
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
+
 SCRIPT = FIXTURES / "scripts" / "deepspeed_style_no_destroy.py"
 # (stage, offload): stages 0-3, offload none/cpu (DeepSpeed offloads from stage 1 on).
 CASES = [(0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu"), (3, "none"), (3, "cpu")]

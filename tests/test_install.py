@@ -49,6 +49,7 @@ def normal_install(tmp_path_factory) -> Path:
     return venv
 
 
+@pytest.mark.slow
 def test_normal_install_trains_from_any_folder_with_its_own_copy(normal_install, tmp_path):
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
@@ -83,6 +84,7 @@ def test_launch_module_that_does_not_exist_says_where_it_looked(zerotrain_cli):
     assert "no_such_package_xyz" in proc.stderr and str(zerotrain_cli.cwd) in proc.stderr
 
 
+@pytest.mark.slow
 def test_normal_install_ships_the_deepspeed_standin(normal_install, tmp_path):
     zerotrain = normal_install / "bin" / "zerotrain"
     probe = ("import deepspeed, importlib.metadata, shutil; "

@@ -38,6 +38,7 @@ def test_without_a_gpu_the_real_check_refuses_and_names_the_dry_run(tmp_path):
     assert "no CUDA GPU is visible" in done.stderr and "GPU_CHECK_DRY=1" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path):
     if not (REPO / ".whl" / "manifest.json").is_file():

@@ -67,6 +67,7 @@ def test_flags_answer_without_input_and_a_config_that_does_not_fit_is_warned(zer
     assert not (zerotrain_cli.cwd / "ds_config.json").exists()
 
 
+@pytest.mark.slow
 def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrain_cli):
     from accelerate.commands.config.config_args import ClusterConfig
 

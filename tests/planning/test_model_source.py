@@ -87,6 +87,7 @@ def test_an_unknown_architecture_suggests_the_nearest():
         load_meta_model("lama")
 
 
+@pytest.mark.slow
 def test_zerotrain_estimate_command_prints_deepspeeds_tables_for_a_model_section(zerotrain_cli):
     sizes = ["--config-override", "hidden_size=64", "--config-override", "num_hidden_layers=2",
              "--config-override", "intermediate_size=128", "--config-override", "num_attention_heads=4"]

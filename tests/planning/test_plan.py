@@ -149,6 +149,7 @@ def test_memory_sizes_read_as_users_write_them():
         parse_size("eighty")
 
 
+@pytest.mark.slow
 def test_zerotrain_estimate_prints_every_rung_and_json(zerotrain_cli):
     done = zerotrain_cli("estimate", "llama", *_overrides(), "--gpus-per-node", "2", "--seq-len", "128",
                          "--gpu-memory", "2GB", "--cpu-memory", "8GB", check=True)
@@ -163,6 +164,7 @@ def test_zerotrain_estimate_prints_every_rung_and_json(zerotrain_cli):
     assert data["rungs"][0]["gpu_bytes"]["activations"] > 0 and len(data["deepspeed"]["zero3"]) == 6
 
 
+@pytest.mark.slow
 def test_zerotrain_plan_prints_words_deepspeed_json_and_train_yaml(zerotrain_cli, tmp_path):
     import yaml
 
@@ -184,6 +186,7 @@ def test_zerotrain_plan_prints_words_deepspeed_json_and_train_yaml(zerotrain_cli
     assert none.returncode == 1 and json.loads(none.stdout)["choice"] is None
 
 
+@pytest.mark.slow
 def test_plan_verify_measures_the_chosen_rung_and_falls_past_an_out_of_memory_one(zerotrain_cli):
     """3 real steps on 2 Gloo ranks: model states measured equal the prediction exactly; an OOM on one
     rank at stage 0 (injected) makes the plan fall to stage 1 and say so, without hanging."""

@@ -4,6 +4,8 @@ winner is (within 10%) the fastest configuration when timed by hand; DeepSpeed's
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import time
 
@@ -14,6 +16,8 @@ from conftest import run_on_ranks
 from zerotrain.autotuning.search_space import experiments
 from zerotrain.planning.ladder import ladder
 from zerotrain.planning.rung_memory import GIB, Hardware
+
+pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 64}
