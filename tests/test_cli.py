@@ -37,6 +37,7 @@ def test_help_of_each_command(argv, expected, capsys):
         assert word in out
 
 
+@pytest.mark.slow
 def test_python_dash_m_zerotrain_prints_help_and_version():
     helped = subprocess.run([sys.executable, "-m", "zerotrain", "--help"], capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0 and "usage: zerotrain" in helped.stdout
@@ -122,6 +123,7 @@ def test_config_check_bad_set_syntax_is_a_usage_error(capsys):
     assert "KEY=VALUE" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_config_check_as_a_command_exits_2_on_a_bad_file(tmp_path):
     bad = tmp_path / "ds_config.json"
     bad.write_text('{"train_batch_size": 8, "zero_optimizaton": {"stage": 2}}')

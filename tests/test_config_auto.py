@@ -196,6 +196,7 @@ def test_resolve_reports_all_problems_at_once():
         assert key in message
 
 
+@pytest.mark.slow
 def test_resolve_with_a_real_llama_model():
     transformers = pytest.importorskip("transformers")
     llama = transformers.LlamaForCausalLM(

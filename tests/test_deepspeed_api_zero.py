@@ -125,6 +125,7 @@ def tied_two_ranks(tmp_path_factory):
     return run_on_ranks(2, _tied_on_ranks, str(save_dir)), save_dir
 
 
+@pytest.mark.slow
 def test_external_parameter_is_gathered_for_its_reader_at_stage_3_on_2_ranks(tied_two_ranks):
     ranks, _ = tied_two_ranks
     ref_losses, ref_params = _tied_reference()

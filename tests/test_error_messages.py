@@ -49,6 +49,7 @@ def _one_message(proc, *expected: str) -> str:
 # --- the model section ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_unknown_architecture_suggests_the_nearest_model_type(zerotrain_cli, tmp_path):
     proc = _train(zerotrain_cli, tmp_path, "run", "--model.architecture", "lama")
     _one_message(proc, "model.architecture: 'lama' is not a model type transformers knows", "did you mean 'llama'?")
@@ -62,6 +63,7 @@ def test_architecture_that_is_no_causal_lm_is_named_as_such():
     check_architecture("llama")
 
 
+@pytest.mark.slow
 def test_model_config_that_cannot_build_names_source_and_values(zerotrain_cli, tmp_path):
     proc = _train(zerotrain_cli, tmp_path, "run", "--model.config_overrides.hidden_size", "130")
     message = _one_message(proc, "model.architecture 'llama' with model.config_overrides", "cannot build a model")
@@ -123,6 +125,7 @@ def _tiny_hf_dir(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_truncated_weights_file_is_named_with_the_fix(zerotrain_cli, tmp_path):
     model_dir = _tiny_hf_dir(tmp_path / "model")
     weights = model_dir / "model.safetensors"
@@ -160,6 +163,7 @@ def _corrupt_copy(run: Path, into: Path, *tags: str) -> Path:
     return copy
 
 
+@pytest.mark.slow
 def test_resuming_from_a_corrupt_shard_names_it_and_gives_the_previous_tags_command(
     zerotrain_cli, tmp_path, two_checkpoints
 ):
@@ -197,6 +201,7 @@ def test_garbled_meta_json_is_named_with_the_previous_tag(tmp_path, two_checkpoi
     assert "tag='step1'" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_consolidating_a_corrupt_shard_suggests_consolidating_the_previous_tag(
     zerotrain_cli, tmp_path, two_checkpoints
 ):
@@ -225,6 +230,7 @@ def test_deepspeed_monitor_section_says_what_to_use_instead(monitor):
     check_supported(load_config({monitor.section: {"enabled": False}}))  # switched off: accepted silently
 
 
+@pytest.mark.slow
 def test_config_check_of_a_train_yaml_points_its_monitor_at_the_logging_section(zerotrain_cli, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("model: {architecture: llama}\nzero: {wandb: {enabled: true, project: x}}\n")
@@ -235,6 +241,7 @@ def test_config_check_of_a_train_yaml_points_its_monitor_at_the_logging_section(
 # --- zerotrain config check on a zerotrain train YAML -----------------------------------------
 
 
+@pytest.mark.slow
 def test_config_check_prints_a_train_yaml_merged_and_validated(zerotrain_cli, tmp_path):
     (tmp_path / "base.yaml").write_text("model: {architecture: llama}\ntraining: {lr: 1.0e-3}\n")
     config = tmp_path / "run.yaml"
@@ -247,6 +254,7 @@ def test_config_check_prints_a_train_yaml_merged_and_validated(zerotrain_cli, tm
     assert merged["logging"]["csv"] is True  # defaults filled in
 
 
+@pytest.mark.slow
 def test_config_check_of_a_bad_train_yaml_is_one_message(zerotrain_cli, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("model: {architecture: lama}\ntraining: {micro_batch_sise: 2}\n")
@@ -279,6 +287,7 @@ def test_unexpected_error_is_one_line_with_a_debug_hint_and_debug_shows_the_trac
     assert "Traceback" in err and "_crash" in err and "zerotrain consolidate: KeyError: 'shapes'" in err
 
 
+@pytest.mark.slow
 def test_help_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     zt = shlex.quote(zerotrain_script())
     # `head -1` stops after one line; `true` reads nothing, so that pipe is surely closed first.
@@ -290,6 +299,7 @@ def test_help_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     assert "BrokenPipe" not in proc.stderr and "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["launch", "no_such_script.py"], ["consolidate", "no_such_dir", "out"]])
 def test_a_users_bad_path_is_a_plain_message_not_an_unexpected_error(zerotrain_cli, argv):
     proc = zerotrain_cli(*argv)

@@ -63,12 +63,14 @@ def test_normal_install_trains_from_any_folder_with_its_own_copy(normal_install,
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step2"
 
 
+@pytest.mark.slow
 def test_editable_install_trains_on_two_ranks_outside_the_checkout(zerotrain_cli, tmp_path):
     proc = zerotrain_cli("train", "--output.dir", tmp_path / "run", "--data.cache_dir", tmp_path / "cache",
                          "--nproc_per_node", "2", *TRAIN_ARGS, check=True)
     assert "finished" in proc.stdout
 
 
+@pytest.mark.slow
 def test_launch_module_finds_a_package_in_the_working_directory(zerotrain_cli):
     package = zerotrain_cli.cwd / "mytrainer"
     package.mkdir()
@@ -78,6 +80,7 @@ def test_launch_module_finds_a_package_in_the_working_directory(zerotrain_cli):
     assert "rank 0 args ['--local_rank=0', '--flag']" in proc.stdout and "rank 1" in proc.stdout
 
 
+@pytest.mark.slow
 def test_launch_module_that_does_not_exist_says_where_it_looked(zerotrain_cli):
     proc = zerotrain_cli("launch", "--module", "no_such_package_xyz.main")
     assert proc.returncode == 2

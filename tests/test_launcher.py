@@ -85,6 +85,7 @@ def test_two_ranks_see_their_rank_and_get_local_rank_argument():
     assert "OMP_NUM_THREADS" not in done.stdout, "torchrun's own OMP warning should not appear"
 
 
+@pytest.mark.slow
 def test_no_local_rank_omits_the_argument():
     done, _ = launch("--nproc_per_node", "2", "--no_local_rank", str(SCRIPTS / "report_rank.py"))
     assert done.returncode == 0, done.stdout
@@ -94,6 +95,7 @@ def test_no_local_rank_omits_the_argument():
     assert [fields[1] for _, fields in sorted(got.items())] == ["0", "1"], "LOCAL_RANK is still set"
 
 
+@pytest.mark.slow
 def test_module_flag_runs_a_module():
     done, _ = launch("--num_gpus", "2", "--module", "report_rank", "--tag", "mod", cwd=SCRIPTS)
     assert done.returncode == 0, done.stdout
@@ -102,6 +104,7 @@ def test_module_flag_runs_a_module():
     assert all(fields[5] == "module" and fields[4] == "mod" for fields in got.values()), done.stdout
 
 
+@pytest.mark.slow
 def test_no_python_runs_a_program_with_local_rank():
     done, _ = launch("--num_gpus", "2", "--no_python", str(SCRIPTS / "print_rank.sh"), "x")
     assert done.returncode == 0, done.stdout
@@ -112,6 +115,7 @@ def test_no_python_runs_a_program_with_local_rank():
     ], done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank0_waits_in", ["collective", "sleep"])
 def test_failing_rank_stops_the_job_with_its_traceback(rank0_waits_in):
     done, seconds = launch("--num_gpus", "2", str(SCRIPTS / "fail_on_rank1.py"), "--rank0", rank0_waits_in)
@@ -127,6 +131,7 @@ def test_failing_rank_stops_the_job_with_its_traceback(rank0_waits_in):
     assert "bootstrap.py" not in out, "the traceback should start at the user's script"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_rank(tmp_path):
     cmd = [sys.executable, "-m", "zerotrain", "launch", "--num_gpus", "2", "--master_port", str(_free_port())]
     cmd += [str(SCRIPTS / "sleep_forever.py"), str(tmp_path)]
@@ -153,6 +158,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_missing_script_is_an_error_before_anything_starts(tmp_path):
     done, _ = launch("--num_gpus", "2", str(tmp_path / "no_such_script.py"))
     assert done.returncode == 2
@@ -160,6 +166,7 @@ def test_missing_script_is_an_error_before_anything_starts(tmp_path):
     assert "processes" not in done.stdout, "nothing should have been started"
 
 
+@pytest.mark.slow
 def test_busy_default_port_is_replaced_by_a_free_one():
     holder = socket.socket()
     try:

@@ -71,6 +71,7 @@ def test_import_zerotrain_as_deepspeed_gives_deepspeeds_entry_points():
     assert callable(deepspeed.initialize) and callable(deepspeed.init_distributed)
 
 
+@pytest.mark.slow
 def test_the_standin_names_import_in_a_fresh_process_with_the_standin_on_the_path():
     """In a process of its own, as a job gets the stand-in (its own `deepspeed` must not leak here)."""
     from zerotrain.compat.deepspeed_standin import with_standin

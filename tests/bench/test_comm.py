@@ -175,6 +175,7 @@ def test_comm_on_two_nodes_prints_every_collective_and_size_and_the_pair(make_ss
     assert "node pairs: all_reduce 64K" in done.stdout and "slowest pair: 127.0.0.21 - 127.0.0.22" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", on_gpu("gpu", "gpu-1process")])
 def test_comm_on_this_machine_alone_measures_every_collective(tmp_path, device):
     """A one-host hostfile naming this machine: 2 Gloo ranks on the CPU, or the one GPU over NCCL."""
@@ -198,6 +199,7 @@ def test_comm_on_this_machine_alone_measures_every_collective(tmp_path, device):
     assert all(r["wrong"] == 0 and r["time_s"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_comm_names_an_unreadable_hostfile(zerotrain_cli, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=two\n")

@@ -176,6 +176,7 @@ def test_unreadable_status_json_is_an_error_naming_the_file(runs):
 # --- through the installed console script -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_writes_csv_and_png_prints_the_table_and_suspects_and_exits_1(runs, zerotrain_cli):
     proc = zerotrain_cli("bench", "report", runs / "pairs", "--threshold", "100",
                          "--csv", "results/pairs.csv", "--plot", "results/pairs.png", env={"COLUMNS": "200"})
@@ -188,6 +189,7 @@ def test_cli_writes_csv_and_png_prints_the_table_and_suspects_and_exits_1(runs, 
     assert "batch-002" in proc.stdout and "61.5" in proc.stdout
 
 
+@pytest.mark.slow
 def test_cli_exits_0_when_every_job_passed_and_2_for_a_missing_run_folder(runs, zerotrain_cli):
     for job in ("batch-002", "batch-003"):
         shutil.rmtree(runs / "pairs" / job)

@@ -132,6 +132,7 @@ def test_sigterm_to_bench_run_stops_every_job_and_writes_its_status(make_ssh_nod
     assert not _pid_alive(int((markers / f"{NODES[0]}.start").read_text()))
 
 
+@pytest.mark.slow
 def test_hostfiles_sharing_a_node_are_refused_naming_the_node(zerotrain_cli, tmp_path):
     hostfiles = tmp_path / "hostfiles"
     hostfiles.mkdir()

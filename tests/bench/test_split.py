@@ -104,6 +104,7 @@ def test_earlier_batch_files_are_refused_unless_force_which_removes_stale_ones(t
 # --- through the installed console script -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_writes_the_hostfiles_prints_them_and_names_the_leftover_nodes(tmp_path, zerotrain_cli):
     nodes = _node_list(tmp_path, "".join(f"gpu-{i:02d}\n" for i in range(1, 6)))
     proc = zerotrain_cli("bench", "split", nodes, "hostfiles", "--nodes-per-job", "2", "--slots", "8")
@@ -125,6 +126,7 @@ def test_cli_writes_the_hostfiles_prints_them_and_names_the_leftover_nodes(tmp_p
     ],
     ids=["empty", "duplicate", "k-zero"],
 )
+@pytest.mark.slow
 def test_cli_bad_input_is_one_clear_message_and_exit_2(tmp_path, zerotrain_cli, text, k, message):
     nodes = _node_list(tmp_path, text)
     proc = zerotrain_cli("bench", "split", nodes, "out", "--nodes-per-job", k)

@@ -217,6 +217,7 @@ def _zerotrain(*args) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_cli_writes_sharded_bf16_safetensors_and_a_summary(tmp_path):
     ckpt, ref = small_checkpoint(tmp_path)
     run = _zerotrain("consolidate", ckpt, tmp_path / "out", "--max-shard-size", "200B", "--dtype", "bf16")
@@ -226,6 +227,7 @@ def test_cli_writes_sharded_bf16_safetensors_and_a_summary(tmp_path):
     assert_same_tensors(got, {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in ref.items()})
 
 
+@pytest.mark.slow
 def test_cli_hf_without_a_value_uses_the_recorded_config(tmp_path):
     model = tiny_llama()
     checkpoint_of_model(tmp_path / "ckpt", model)
@@ -239,6 +241,7 @@ def test_cli_hf_without_a_value_uses_the_recorded_config(tmp_path):
     ("args", "message"),
     [(["--tag", "nope"], "'nope'"), (["--hf"], "--hf MODEL_CONFIG_DIR"), (["--max-shard-size", "lots"], "lots")],
 )
+@pytest.mark.slow
 def test_cli_errors_exit_2_with_the_reason_and_no_traceback(tmp_path, args, message):
     ckpt, _ = small_checkpoint(tmp_path)
     run = _zerotrain("consolidate", ckpt, tmp_path / "out", *args)

@@ -75,7 +75,7 @@ def _run_all(jobs: list[tuple]) -> list[dict]:
     return [_segment(*job) for job in jobs]
 
 
-@pytest.fixture(scope="module", params=[(RESUME_WORLD, "cpu"), on_gpu((1, "gpu"), "gpu-world1")],
+@pytest.fixture(scope="module", params=[pytest.param((RESUME_WORLD, "cpu"), marks=pytest.mark.slow), on_gpu((1, "gpu"), "gpu-world1")],
                 ids=lambda p: f"world{p[0]}")
 def resume_runs(request, tmp_path_factory):
     """Per case: an uninterrupted run, and a run stopped after K steps then resumed in new processes."""

@@ -113,6 +113,7 @@ def test_script_in_the_checkpoint_folder_writes_loadable_safetensors(saved, tmp_
     assert_same_tensors(load_file(tmp_path / "out" / "model.safetensors"), masters)
 
 
+@pytest.mark.slow
 def test_small_max_shard_size_writes_shards_and_an_index(saved, tmp_path):
     save_dir, masters = saved
     run = _run_script(save_dir, ".", tmp_path / "safe", "--safe_serialization", "--max_shard_size", "20KB")
@@ -158,6 +159,7 @@ def test_lazy_mode_reads_each_tensor_on_contiguous(tmp_path):
     assert_same_tensors({n: t.contiguous() for n, t in lazy.items()}, _fp32(ref))
 
 
+@pytest.mark.slow
 def test_older_single_file_form_writes_that_file(tmp_path):
     ckpt, ref = small_checkpoint(tmp_path)
     write_zero_to_fp32_script(ckpt)
@@ -201,6 +203,7 @@ def test_rewriting_the_script_replaces_it_whole(tmp_path):
 # --- no checkpoint where one was asked for -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_folder_without_a_checkpoint_is_a_clear_error_and_a_failing_script(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -237,6 +240,7 @@ def test_main_reports_a_bad_size_with_exit_2(tmp_path, capsys):
     assert "lots" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_corrupt_shard_names_the_previous_tag_with_this_same_command(tmp_path):
     from checkpoint_fixtures import small_params, write_checkpoint
 

@@ -38,6 +38,7 @@ def real_deepspeed(tmp_path) -> Path:
     return site
 
 
+@pytest.mark.slow
 def test_zerotrain_run_makes_deepspeed_the_standin_with_metadata_and_command(tmp_path):
     proc = _zerotrain("run", "--", "python", "-c", PROBE, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -47,6 +48,7 @@ def test_zerotrain_run_makes_deepspeed_the_standin_with_metadata_and_command(tmp
     assert Path(found["command"]) == STANDIN / "bin" / "deepspeed"
 
 
+@pytest.mark.slow
 def test_a_real_deepspeed_beside_zerotrain_is_shadowed_under_run_and_untouched_outside(tmp_path, real_deepspeed):
     env = user_env(PYTHONPATH=str(real_deepspeed))
     proc = _zerotrain("run", "python", "-c", PROBE, cwd=tmp_path, env=env)
@@ -58,6 +60,7 @@ def test_a_real_deepspeed_beside_zerotrain_is_shadowed_under_run_and_untouched_o
     assert Path(found["file"]).is_relative_to(real_deepspeed)
 
 
+@pytest.mark.slow
 def test_importing_zerotrain_changes_nothing_about_deepspeed(tmp_path):
     code = ("import importlib.util, sys; before = list(sys.path); import zerotrain, zerotrain.runtime.engine; "
             "print(importlib.util.find_spec('deepspeed') is None and sys.path == before)")
@@ -65,16 +68,19 @@ def test_importing_zerotrain_changes_nothing_about_deepspeed(tmp_path):
     assert proc.stdout.strip() == "True", proc.stderr
 
 
+@pytest.mark.slow
 def test_zerotrain_run_passes_the_exit_status_through(tmp_path):
     assert _zerotrain("run", "python", "-c", "raise SystemExit(3)", cwd=tmp_path).returncode == 3
 
 
+@pytest.mark.slow
 def test_zerotrain_run_names_a_missing_command(tmp_path):
     proc = _zerotrain("run", "no-such-command-here", "--flag", cwd=tmp_path)
     assert proc.returncode == 127
     assert "command not found: 'no-such-command-here'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_zerotrain_run_without_a_command_says_what_to_give(tmp_path):
     proc = _zerotrain("run", cwd=tmp_path)
     assert proc.returncode == 2 and "no command given" in proc.stderr
@@ -88,6 +94,7 @@ def test_every_rank_of_zerotrain_launch_imports_the_standin(tmp_path):
     assert "RANK 0 True" in proc.stdout and "RANK 1 True" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_deepspeed_command_under_run_is_zerotrain_launch(tmp_path):
     proc = _zerotrain("run", "deepspeed", "--help", cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: zerotrain launch")

@@ -186,6 +186,7 @@ def test_hang_timeout_prints_every_ranks_python_stack(ssh_cluster, tmp_path):
             launcher.wait()
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_rank_table_and_each_node_command_without_connecting(tmp_path, zerotrain_cli):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-0 slots=4\nworker-1 slots=4  # second\n")
@@ -235,6 +236,7 @@ def test_elastic_job_goes_on_with_the_first_node_when_the_second_nodes_agent_is_
             launcher.wait()
 
 
+@pytest.mark.slow
 def test_slurm_launcher_starts_one_agent_per_node_with_srun_over_the_expanded_nodelist(zerotrain_cli):
     (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
     done = zerotrain_cli("launch", "--launcher", "slurm", "--num_gpus", "4", "--launcher_args=--partition=gpu",
@@ -246,6 +248,7 @@ def test_slurm_launcher_starts_one_agent_per_node_with_srun_over_the_expanded_no
     assert re.search(r"gpu07\s*│\s*0,1,2,3\s*│\s*8-11", done.stderr), done.stderr
 
 
+@pytest.mark.slow
 def test_slurm_launcher_outside_an_allocation_says_how_to_get_one(zerotrain_cli):
     (zerotrain_cli.cwd / "train.py").write_text("print('never run')\n")
     env = {k: "" for k in ("SLURM_JOB_NODELIST", "SLURM_NODELIST")}
@@ -272,6 +275,7 @@ def test_mpirun_command_line_for_each_mpi_launcher(zerotrain_cli, tmp_path):
         assert command.endswith("train.py --lr 1")
 
 
+@pytest.mark.slow
 def test_include_with_num_nodes_is_refused_as_deepspeed_does(zerotrain_cli, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
@@ -281,6 +285,7 @@ def test_include_with_num_nodes_is_refused_as_deepspeed_does(zerotrain_cli, tmp_
     assert done.returncode == 2 and "cannot be combined" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_bad_hostfile_line_is_reported_with_file_line_and_fix(zerotrain_cli, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-0 slots=2\nworker-1 slots = 2\n")

@@ -111,6 +111,7 @@ def test_a_closed_port_is_classified_as_refused(ssh_cluster):
     assert node.address in failure.message and "--ssh_port" in failure.message
 
 
+@pytest.mark.slow
 def test_a_port_that_never_answers_is_classified_as_timeout():
     server, port = silent_tcp_server("127.0.0.2")
     try:
@@ -225,6 +226,7 @@ def test_run_on_hosts_reports_each_host_on_its_own(ssh_cluster, tmp_path):
     assert failure is not None and failure.kind == "refused"
 
 
+@pytest.mark.slow
 def test_run_on_hosts_stops_a_host_that_runs_past_the_timeout(ssh_cluster):
     fast, slow = ssh_cluster.addresses
     command = f'if [ "$(echo $SSH_CONNECTION | cut -d" " -f3)" = {slow} ]; then sleep 8; fi; echo done'
@@ -286,6 +288,7 @@ def test_processes_with_env_finds_a_child_until_it_exits():
     assert processes_with_env(marker, "1") == []
 
 
+@pytest.mark.slow
 def test_nodes_can_have_a_lower_open_file_limit_and_their_own_environment(make_ssh_nodes):
     cluster = make_ssh_nodes(
         ["127.0.0.5", "127.0.0.6"],

@@ -67,6 +67,7 @@ CASES = [(arch, dtype, attention, ckpt) for arch in ("llama", "gpt2") for dtype 
 
 @pytest.mark.parametrize("arch,dtype,attention,checkpointing", CASES,
                          ids=[f"{a}-{d}-{at}-{'ckpt' if c else 'full'}" for a, d, at, c in CASES])
+@pytest.mark.slow
 def test_estimate_is_within_10_percent_of_what_autograd_saves(arch, dtype, attention, checkpointing):
     config = _config(arch, attention)
     measured = _measure(config, DTYPES[dtype], attention, checkpointing)

@@ -58,6 +58,7 @@ def test_a_wrong_flag_stops_with_its_reason():
         _session([], zero_stage="5", gpu_memory="80GB")
 
 
+@pytest.mark.slow
 def test_flags_answer_without_input_and_a_config_that_does_not_fit_is_warned(zerotrain_cli):
     flags = ["--num-machines", "1", "--gpus-per-machine", "2", "--gpu-memory", "1GB", "--seq-len", "64",
              "--global-batch", "4", "--zero-stage", "0", "--yes"]

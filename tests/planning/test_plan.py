@@ -212,6 +212,7 @@ def test_a_guides_deepspeed_config_with_auto_values_is_a_base_for_every_rung(fix
         assert est.gpu_total > 0
 
 
+@pytest.mark.slow
 def test_a_train_yaml_gives_the_model_sequence_length_and_micro_batch(zerotrain_cli):
     import yaml
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 import importlib.util
 from pathlib import Path
 
 GENERATOR = Path(__file__).resolve().parents[2] / "docs" / "generate_planning.py"
 
 
+@pytest.mark.slow
 def test_planning_page_matches_what_the_tools_print_now():
     spec = importlib.util.spec_from_file_location("generate_planning", GENERATOR)
     module = importlib.util.module_from_spec(spec)

@@ -95,6 +95,7 @@ def _train(world: int, stage: int, profile: bool, out: str | None) -> tuple[list
     return losses, report, sum(p.numel() for p in make_model().parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [3])
 def test_the_engine_writes_the_report_at_profile_step_and_trains_the_same(stage, tmp_path):
     out = tmp_path / "flops.txt"

@@ -69,6 +69,7 @@ def test_pruning_keeps_an_earlier_runs_higher_tags_and_never_the_latest(zerotrai
     assert consolidated.returncode == 0, consolidated.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["missing", "file", "no_latest"])
 def test_a_resume_target_that_is_not_a_checkpoint_fails_before_any_step(zerotrain_cli, tmp_path, target):
     run = tmp_path / "run"
@@ -83,6 +84,7 @@ def test_a_resume_target_that_is_not_a_checkpoint_fails_before_any_step(zerotrai
     assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
 
 
+@pytest.mark.slow
 def test_a_foreground_run_refuses_a_folder_with_a_live_run(zerotrain_cli, tmp_path):
     run = tmp_path / "run"
     run.mkdir()

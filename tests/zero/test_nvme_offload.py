@@ -241,6 +241,7 @@ def _initialize(zero_extra: dict):
     zerotrain.initialize(model=model, model_parameters=param_groups(model), config=zero_config(3, 1, 1, **zero_extra))
 
 
+@pytest.mark.slow
 def test_unusable_nvme_path_is_a_clear_error_before_training(tmp_path):
     missing = str(tmp_path / "missing")
     with pytest.raises(ConfigError, match="missing"):
