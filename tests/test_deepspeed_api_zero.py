@@ -137,11 +137,13 @@ def test_external_parameter_is_gathered_for_its_reader_at_stage_3_on_2_ranks(tie
             torch.testing.assert_close(result["params"][name], ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_global_rank_and_dp_world_size_on_2_ranks(tied_two_ranks):
     ranks, _ = tied_two_ranks
     assert [r["layout"] for r in ranks] == [(0, 2), (1, 2)]
 
 
+@pytest.mark.slow
 def test_save_16bit_model_at_stage_3_with_the_gather_flag_saves_whole_weights(tied_two_ranks):
     ranks, save_dir = tied_two_ranks
     assert [r["saved"] for r in ranks] == [True, True]  # DeepSpeed returns True on every rank
@@ -150,6 +152,7 @@ def test_save_16bit_model_at_stage_3_with_the_gather_flag_saves_whole_weights(ti
         assert torch.equal(weights[name], value), name
 
 
+@pytest.mark.slow
 def test_consolidated_16bit_state_dict_is_whole_on_rank_0_and_none_elsewhere(tied_two_ranks):
     ranks, _ = tied_two_ranks
     assert ranks[1]["consolidated"] is None
@@ -159,6 +162,7 @@ def test_consolidated_16bit_state_dict_is_whole_on_rank_0_and_none_elsewhere(tie
         assert torch.equal(whole[name], value), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("registered", [("layer",), ("root",)], ids=["root-read-missing", "layer-read-missing"])
 def test_without_registration_a_foreign_weight_is_empty_at_stage_3(registered):
     engine, *_ = zerotrain.initialize(

@@ -179,6 +179,7 @@ def test_resuming_from_a_corrupt_shard_names_it_and_gives_the_previous_tags_comm
     assert (run / "checkpoints" / "latest").read_text().strip() == "step2"
 
 
+@pytest.mark.slow
 def test_engine_user_is_told_the_load_checkpoint_call_and_when_there_is_no_earlier_tag(tmp_path, two_checkpoints):
     folder = _corrupt_copy(two_checkpoints / "checkpoints", tmp_path / "ckpt", "step2")  # no config.yaml beside it
     with pytest.raises(CheckpointError) as caught, CheckpointReader(folder) as reader:

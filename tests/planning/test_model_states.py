@@ -87,7 +87,7 @@ def _engine_and_estimate(world: int, names: list[str]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda w: f"world{w}")
 def measured(request):
     world = request.param
     names = WORLD1_CASES if world == 1 else list(CASES)

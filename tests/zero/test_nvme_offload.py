@@ -202,6 +202,7 @@ def _bound(r: dict) -> int:
     return 4 * (2 * whole + in_flight) + 16 * stepping
 
 
+@pytest.mark.slow
 def test_params_and_optimizer_on_nvme_hold_a_bound_that_does_not_grow_with_the_model(runs):
     """The peak held during forward, backward and step stays under a bound that is the same for
     a model twice as deep; ZeRO-3 without offload holds 16 bytes a shard element, more than
@@ -218,6 +219,7 @@ def test_params_and_optimizer_on_nvme_hold_a_bound_that_does_not_grow_with_the_m
             assert r["state_file_bytes"] == 16 * r["shard_elements"]  # master, Adam moments, gradients
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_with_params_on_nvme(runs):
     for rank in runs:
         saved, loaded = rank["checkpoint"]["saved"], rank["checkpoint"]["loaded"]
@@ -226,6 +228,7 @@ def test_checkpoint_round_trip_with_params_on_nvme(runs):
             assert torch.equal(loaded["weights"][name], t), f"{name} differs after loading"
 
 
+@pytest.mark.slow
 def test_gathered_parameters_modifier_reaches_parked_shard_and_master(runs):
     for rank in runs:
         r = rank["modifier"]
