@@ -29,6 +29,7 @@ TINY = ["--model.config_overrides.hidden_size", "32", "--model.config_overrides.
         "--training.warmup_steps", "0", "--training.max_steps", "3", "--logging.interval", "1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_workload_config_resolves_to_a_llama_of_its_named_size(name):
     cfg = load_train_config(workload_config(name))
