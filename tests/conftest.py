@@ -95,7 +95,19 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0, device: str
     `fn` must be a module-level function. Returns the per-rank results, rank order.
     A rank's exception fails the test with that rank's traceback; a hang fails at `timeout`.
     `device="gpu"` leaves the GPUs visible (the engine then takes NCCL and cuda:LOCAL_RANK).
+    The rendezvous port is free when chosen but may be taken before rank 0 binds it (EADDRINUSE):
+    then the ranks start again on another port, at most twice.
     """
+    for attempt in range(3):
+        results, errors = _run_once(world_size, fn, args, timeout, device)
+        if not (errors and "EADDRINUSE" in errors[0] and attempt < 2):
+            break
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)
+    return [results[r] for r in range(world_size)]
+
+
+def _run_once(world_size: int, fn, args: tuple, timeout: float, device: str) -> tuple[dict, list[str]]:
     procs, queue = start_ranks(world_size, fn, *args, env=device_env(device))
     results: dict[int, object] = {}
     errors: list[str] = []
@@ -118,9 +130,7 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0, device: str
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)
-    return [results[r] for r in range(world_size)]
+    return results, errors
 
 
 @pytest.fixture
