@@ -101,7 +101,12 @@ def test_the_engine_writes_the_report_at_profile_step_and_trains_the_same(stage,
     out = tmp_path / "flops.txt"
     profiled = run_on_ranks(2, _train, 2, stage, True, str(out))
     plain = run_on_ranks(2, _train, 2, stage, False, None)
-    assert [r[0] for r in profiled] == [r[0] for r in plain]  # the same losses on every rank
+    # Before profile_step the runs are bitwise equal. Counting the profiled step under torch's
+    # FlopCounterMode (a dispatch mode) can change which kernel a composite op takes, so on some
+    # CPUs that step's gradients differ in the last bit: from then on, equal to fp32 rounding.
+    for with_profile, without in zip(profiled, plain):
+        assert with_profile[0][0] == without[0][0]
+        torch.testing.assert_close(torch.tensor(with_profile[0]), torch.tensor(without[0]), rtol=1e-6, atol=0.0)
     text = out.read_text()
     assert text == profiled[0][1] and profiled[1][1] is None  # rank 0 reports
     assert "Profile Summary at step 1:" in text and "world size: " in text
