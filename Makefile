@@ -24,15 +24,20 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/zerotrain train --overwrite  # a demo re-runs from scratch; real runs refuse to overwrite
 
+# Test processes (pytest-xdist workers). Each test module runs whole on one worker, so its
+# module fixtures (one spawn for every parity case, one DDP reference for the Trainer) run once.
+WORKERS ?= 2
+XDIST   := -n $(WORKERS) --dist loadscope
+
 # The whole suite (CI runs this; under 20 minutes on 2 cores). It includes the dry GPU check,
 # which installs the GPU wheels. Prints the 30 slowest tests; pytest's last line is the wall time.
 test: install gpu-wheels
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q $(XDIST) --durations=30
 
 # The fast loop while developing (under 3 minutes on 2 cores): the unit tests and one
 # multi-process case per area; everything marked `slow` is left to `make test`.
 check: install
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PY) -m pytest -q $(XDIST) -m "not slow" --durations=10
 
 # The GPU check kit (docs/gpu.md). gpu-wheels: every wheel the GPU machine lacks, into the ignored
 # .whl/ (network needed once). gpu-check: all three parts; on a GPU machine with its own python3,

@@ -35,9 +35,26 @@ def device_env(device: str) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
 
 
+# The longest modules (wall time in a full run), started first so that the pytest-xdist workers
+# finish together instead of one running a long module alone at the end. Every other module
+# keeps pytest's order after these. tests/test_suite_order.py checks that each one exists.
+LONGEST_MODULES = (
+    "gpu/test_gpu_check_dry.py", "launcher/test_multinode_launch.py", "hf/test_trainer.py",
+    "train/test_train_job.py", "train/test_run_folder.py", "hf/test_accelerate.py",
+    "test_error_messages.py", "planning/test_plan.py", "test_clean_exit.py", "bench/test_run.py",
+    "zero/test_parity.py", "test_install.py", "test_launcher.py", "bench/test_comm.py",
+)
+
+
+def _module_order(item) -> int:
+    path = Path(str(item.fspath)).relative_to(Path(__file__).parent).as_posix()
+    return LONGEST_MODULES.index(path) if path in LONGEST_MODULES else len(LONGEST_MODULES)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     import torch
 
+    items.sort(key=_module_order)  # stable: a module's tests stay together and in order
     if torch.cuda.is_available() or GPU_CHECK_DRY:
         return
     requires_cuda = pytest.mark.skip(reason="requires CUDA")
@@ -52,8 +69,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue, env: dict | None = None) -> None:
-    os.environ.update(env or {})
+def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue, env: dict) -> None:
+    # A forked rank starts with the fork server's environment: take the test's, as a spawned one would.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -75,31 +94,54 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue, en
             dist.destroy_process_group()
 
 
-def start_ranks(world_size: int, fn, *args, env: dict | None = None):
+# What every CPU rank imports anyway. A fork server imports it once per test process and forks
+# each rank from there: a fresh process for each rank, without ~3.5 s of CPU importing torch and
+# transformers again (over a hundred ranks in a full run). GPU ranks are spawned: CUDA must not
+# be touched before a fork, and an import may probe it. Tests whose ranks must import these
+# themselves (transformers binds its DeepSpeed integration at import) or that measure a rank's
+# memory pass `spawn=True`: a bare interpreter, nothing inherited.
+RANK_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
+                "zerotrain", "llama_workload"]
+
+
+def _rank_context(device: str, spawn: bool):
+    if spawn or device != "cpu" or not hasattr(os, "fork"):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
+def start_ranks(world_size: int, fn, *args, env: dict | None = None, device: str = "cpu", spawn: bool = False):
     """Starts `fn(*args)` on `world_size` fresh processes; returns (processes, result queue).
 
-    For tests that must interrupt the ranks (e.g. kill them mid-save); others use `run_on_ranks`.
+    Each rank gets this process's environment plus `env`. For tests that must interrupt the
+    ranks (e.g. kill them mid-save); others use `run_on_ranks`.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context(device, spawn)
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, queue, env)) for r in range(world_size)]
+    rank_env = {**os.environ, **(env or {})}
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, queue, rank_env))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     return procs, queue
 
 
-def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0, device: str = "cpu") -> list:
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0, device: str = "cpu", spawn: bool = False) -> list:
     """Runs `fn(*args)` on `world_size` fresh processes (env set as torchrun does).
 
     `fn` must be a module-level function. Returns the per-rank results, rank order.
     A rank's exception fails the test with that rank's traceback; a hang fails at `timeout`.
     `device="gpu"` leaves the GPUs visible (the engine then takes NCCL and cuda:LOCAL_RANK).
+    CPU ranks are forked from a server that imported torch and transformers (RANK_PRELOAD);
+    `spawn=True` starts them from a bare interpreter instead.
     The rendezvous port is free when chosen but may be taken before rank 0 binds it (EADDRINUSE):
     then the ranks start again on another port, at most twice.
     """
     for attempt in range(3):
-        results, errors = _run_once(world_size, fn, args, timeout, device)
+        results, errors = _run_once(world_size, fn, args, timeout, device, spawn)
         if not (errors and "EADDRINUSE" in errors[0] and attempt < 2):
             break
     if errors:
@@ -107,8 +149,8 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0, device: str
     return [results[r] for r in range(world_size)]
 
 
-def _run_once(world_size: int, fn, args: tuple, timeout: float, device: str) -> tuple[dict, list[str]]:
-    procs, queue = start_ranks(world_size, fn, *args, env=device_env(device))
+def _run_once(world_size: int, fn, args: tuple, timeout: float, device: str, spawn: bool) -> tuple[dict, list[str]]:
+    procs, queue = start_ranks(world_size, fn, *args, env=device_env(device), device=device, spawn=spawn)
     results: dict[int, object] = {}
     errors: list[str] = []
     try:

@@ -9,7 +9,8 @@ already partitioned (each rank keeps about 1/world of them), until `initialize` 
 model; the weights it then trains from are the checkpoint's, bit for bit.
 
 Every rank runs `zerotrain.compat.deepspeed_standin.activate_in_this_process()` first, so the
-`import deepspeed` inside transformers gets zerotrain.
+`import deepspeed` inside transformers gets zerotrain; the ranks are spawned (`spawn=True`), so
+transformers is first imported after that, as in a user's script.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def plain(checkpoint):
 
 @pytest.fixture(scope="module")
 def loaded_on_two_ranks(checkpoint) -> list[dict]:
-    return run_on_ranks(2, _load_pretrained_and_run, str(checkpoint))
+    return run_on_ranks(2, _load_pretrained_and_run, str(checkpoint), spawn=True)
 
 
 def _assert_weights_equal(got: dict, want: dict) -> None:
@@ -176,7 +177,7 @@ def test_generate_at_stage3_matches_the_plain_model(loaded_on_two_ranks, plain):
 
 
 def test_from_pretrained_under_zero3_on_one_rank(checkpoint, plain):
-    (r,) = run_on_ranks(1, _load_pretrained_and_run, str(checkpoint))
+    (r,) = run_on_ranks(1, _load_pretrained_and_run, str(checkpoint), spawn=True)
     assert r["all_meta"] and r["kept_numel"] == r["numel"]  # one rank: its slice is the whole
     _assert_weights_equal(r["weights"], {n: p.detach() for n, p in plain.named_parameters()})
     with torch.no_grad():
@@ -200,7 +201,7 @@ def test_from_config_under_zero3_gives_rank0s_seeded_initialization_on_every_ran
         reference = LlamaForCausalLM(_tiny_config())
     reference.initialize_weights()
     want = {n: p.detach() for n, p in reference.named_parameters()}
-    for r in run_on_ranks(2, _from_config_seeded):
+    for r in run_on_ranks(2, _from_config_seeded, spawn=True):
         assert r["all_meta"]
         _assert_weights_equal(r["weights"], want)
 
@@ -210,7 +211,7 @@ def test_resize_token_embeddings_under_zero3_keeps_the_old_rows(checkpoint):
 
     resized = LlamaForCausalLM.from_pretrained(checkpoint)
     resized.resize_token_embeddings(VOCAB + ADDED)
-    for r in run_on_ranks(2, _load_pretrained_and_resize, str(checkpoint)):
+    for r in run_on_ranks(2, _load_pretrained_and_resize, str(checkpoint), spawn=True):
         assert r["vocab_size"] == VOCAB + ADDED
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
             got, want = r["weights"][name], dict(resized.named_parameters())[name].detach()

@@ -244,7 +244,7 @@ SLACK = 24 * MiB  # construction's own objects (~8 MB), Gloo, temporaries
 
 
 def test_peak_memory_is_shards_plus_one_unit():
-    for r in run_on_ranks(2, _peak_memory, True):
+    for r in run_on_ranks(2, _peak_memory, True, spawn=True):
         model, unit = r["model"], r["unit"]
         report = {k: f"{v / MiB:.1f} MiB" for k, v in r.items()}
         assert model > 150 * MiB and unit < model / 8, report
@@ -259,7 +259,7 @@ def test_peak_memory_is_shards_plus_one_unit():
 
 def test_peak_memory_without_init_holds_the_whole_model():
     """The contrast, proving the measurement sees parameter memory."""
-    for r in run_on_ranks(2, _peak_memory, False):
+    for r in run_on_ranks(2, _peak_memory, False, spawn=True):
         report = {k: f"{v / MiB:.1f} MiB" for k, v in r.items()}
         assert r["built"] >= r["model"], report
         assert r["sharded"] >= r["model"], report
