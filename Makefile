@@ -25,9 +25,10 @@ demo: install
 	$(VENV)/bin/zerotrain train --overwrite  # a demo re-runs from scratch; real runs refuse to overwrite
 
 # Test processes (pytest-xdist workers). Each test module runs whole on one worker, so its
-# module fixtures (one spawn for every parity case, one DDP reference for the Trainer) run once.
+# module fixtures (one spawn for every parity case, one DDP reference for the Trainer) run once;
+# modules are handed out in collection order, where conftest puts the longest first.
 WORKERS ?= 2
-XDIST   := -n $(WORKERS) --dist loadscope
+XDIST   := -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The whole suite (CI runs this; under 20 minutes on 2 cores). It includes the dry GPU check,
 # which installs the GPU wheels. Prints the 30 slowest tests; pytest's last line is the wall time.
