@@ -26,7 +26,6 @@ them over what its initializers computed: a written value wins.
 from __future__ import annotations
 
 import types
-import warnings
 from collections import OrderedDict
 
 import torch
@@ -35,12 +34,18 @@ from torch.nn.modules import module as torch_module
 
 from zerotrain.comm import distributed as zdist
 from zerotrain.zero import deferred_values
+from zerotrain.zero.deferred_modules import (
+    ADOPTED,
+    DEFERRED,
+    TARGET_DEVICE,
+    deferred_apply,
+    install_adoption_hook,
+    has_deferred_params,
+)
 from zerotrain.zero.deferred_values import replace_tensor
 from zerotrain.zero.init_journal import InitCall, InitJournal, RandomOpRecorder, initializer_names, unwrap
 from zerotrain.zero.units import assign_params_to_units
 
-_DEFERRED = "_zerotrain_deferred"  # on a module built under Init: the InitJournal of its build
-_TARGET = "_zerotrain_target_device"  # where `.to(device)` asked a deferred module to go
 _KEPT = "_zerotrain_init_values"  # small parameters' values from __init__, for modules with no initializer
 _KEEP_NUMEL = 1 << 16
 
@@ -85,6 +90,7 @@ class Init:
 
     def __enter__(self) -> Init:
         if self.enabled:
+            install_adoption_hook()
             self._handles = [
                 torch_module.register_module_parameter_registration_hook(self._on_parameter),
                 torch_module.register_module_module_registration_hook(self._on_submodule),
@@ -124,46 +130,17 @@ class Init:
         return deferred
 
     def _on_submodule(self, parent: nn.Module, name: str, child):
-        if child is not None and _DEFERRED in child.__dict__:
+        if child is not None and DEFERRED in child.__dict__:
             self._mark(parent)
         return None
 
     def _mark(self, module: nn.Module) -> None:
-        if _DEFERRED not in module.__dict__:
-            object.__setattr__(module, _DEFERRED, self._journal)
-            object.__setattr__(module, "_apply", types.MethodType(_deferred_apply, module))
+        if DEFERRED not in module.__dict__:
+            object.__setattr__(module, DEFERRED, self._journal)
+            object.__setattr__(module, "_apply", types.MethodType(deferred_apply, module))
             # Marked at its first parameter, before its __init__ initializes it: the calls are recorded.
             for name in initializer_names(module):
                 self._journal.wrap(module, name)
-
-
-def _deferred_apply(self: nn.Module, fn, recurse: bool = True):
-    """`Module._apply` for a deferred module: `.to(device)` cannot copy meta tensors, so it
-    records the device (the one `initialize` moves the model to) and applies only the dtype."""
-
-    def apply(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_meta:
-            return fn(t)
-        try:
-            return fn(t)  # dtype casts, to("meta"), to_empty
-        except NotImplementedError:  # "Cannot copy out of meta tensor"
-            probe = fn(torch.empty(0, dtype=t.dtype))
-            object.__setattr__(self, _TARGET, probe.device)
-            return t.to(dtype=probe.dtype)
-
-    return nn.Module._apply(self, apply, recurse)
-
-
-def has_deferred_params(model: nn.Module) -> bool:
-    """True when the model's parameters are still to be materialized (built under `Init`)."""
-    if not any(p.is_meta for p in model.parameters()):
-        return False
-    if not any(_DEFERRED in m.__dict__ for m in model.modules()):
-        raise ValueError(
-            "the model has parameters on the meta device but was not built under zerotrain.zero.Init, "
-            "so nothing says how to initialize them: build it inside `with zerotrain.zero.Init():`"
-        )
-    return True
 
 
 class Materializer:
@@ -172,14 +149,14 @@ class Materializer:
     def __init__(self, model: nn.Module, units: list[nn.Module], world: int) -> None:
         self.model = model
         self.world = world
-        self.device = getattr(model, _TARGET, None) or zdist.device_for(zdist.read_launch_env().local_rank)
+        self.device = getattr(model, TARGET_DEVICE, None) or zdist.device_for(zdist.read_launch_env().local_rank)
         self.units: list[nn.Module] = [model, *units]  # index 0: the root unit
         per_unit, root = assign_params_to_units(model, units)  # every parameter, frozen ones too
         self.owned = [root, *per_unit]
         in_layers = {id(m) for u in units for m in u.modules()}
         self.unit_modules = [_post_order(model, skip=in_layers), *[_post_order(u, skip=set()) for u in units]]
         self.names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        journals = (m.__dict__.get(_DEFERRED) for m in model.modules())
+        journals = (m.__dict__.get(DEFERRED) for m in model.modules())
         self.journals = list({id(j): j for j in journals if j is not None}.values())
         self.calls = self._calls_by_module()
         self.done: set[int] = set()
@@ -238,7 +215,7 @@ class Materializer:
             raise RuntimeError(f"zero.Init: could not materialize {left[:5]}")
         for m in self.model.modules():
             unwrap(m)
-            for key in (_DEFERRED, _TARGET, _KEPT, "_apply"):
+            for key in (DEFERRED, TARGET_DEVICE, _KEPT, ADOPTED, "_apply"):
                 m.__dict__.pop(key, None)
         for journal in self.journals:
             journal.close()
@@ -286,11 +263,13 @@ class Materializer:
             if id(m) not in self.calls:
                 uninitialized += [self.names.get(id(p), n) for n, p in originals[m].items()
                                   if p is not None and id(p) in fresh and n not in kept and id(p) not in written]
-        if uninitialized:
-            warnings.warn(
+        if uninitialized:  # zeros would train silently (a LoRA with A = B = 0 learns nothing)
+            raise RuntimeError(
                 f"zero.Init: {uninitialized[:5]} have no initializer (no reset_parameters(), not in a "
-                "Hugging Face model) and were too large to keep from __init__: they start as zeros",
-                stacklevel=4,
+                f"Hugging Face model), were too large to keep from __init__ (over {_KEEP_NUMEL} elements) "
+                "and got no value before initialize, so they would start as zeros. Give their module a "
+                "reset_parameters(), load values into them before initialize, or build the model "
+                "outside zerotrain.zero.Init"
             )
 
     def _write_real_values(self, params: list[nn.Parameter]) -> set[int]:
