@@ -105,7 +105,10 @@ RANK_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.mode
 
 
 def _rank_context(device: str, spawn: bool):
-    if spawn or device != "cpu" or not hasattr(os, "fork"):
+    import torch
+
+    gpu = device != "cpu" and torch.cuda.is_available()  # a dry GPU check's "gpu" ranks are CPU ones
+    if spawn or gpu or not hasattr(os, "fork"):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_PRELOAD)
