@@ -258,3 +258,40 @@ def test_gathered_deferred_parameter_reads_its_small_init_value_before_any_write
         scale = _Scale()
     with GatheredParameters(scale.weight):
         assert torch.equal(scale.weight, torch.ones(4))
+
+
+# --- LoRA added by PEFT after a ZeRO-3 from_pretrained (LLaMA-Factory's and Axolotl's path) ------
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+
+
+def _load_pretrained_with_lora(checkpoint: str) -> dict:
+    hf_config = _zero3_world()  # noqa: F841 - first: peft imports transformers' DeepSpeed integration
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint)
+    torch.manual_seed(1)
+    model = get_peft_model(base, _lora_config())
+    lost = [n for n, p in model.named_parameters() if "lora_" in n and p.is_meta]
+    _, weights = _initialize_and_gather(model)
+    return {"lost": lost, "weights": weights}
+
+
+def test_lora_added_after_a_zero3_from_pretrained_keeps_peft_values_and_the_checkpoint(checkpoint, plain):
+    import copy
+
+    from peft import get_peft_model
+
+    torch.manual_seed(1)
+    expected = dict(get_peft_model(copy.deepcopy(plain), _lora_config()).named_parameters())
+    for r in run_on_ranks(2, _load_pretrained_with_lora, str(checkpoint), spawn=True):
+        assert not r["lost"], f"PEFT's adapters were moved to meta and lost: {r['lost'][:3]}"
+        lora = [n for n in expected if "lora_" in n]
+        assert len(lora) == 8 and r["weights"].keys() == expected.keys()
+        for name, value in expected.items():  # base weights from the checkpoint, adapters as PEFT made them
+            assert torch.equal(r["weights"][name], value.detach()), name
+        assert all(r["weights"][n].abs().sum() > 0 for n in lora if "lora_A" in n)
