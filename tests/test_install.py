@@ -75,7 +75,11 @@ def test_launch_module_finds_a_package_in_the_working_directory(zerotrain_cli):
     package = zerotrain_cli.cwd / "mytrainer"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "main.py").write_text("import os, sys\nprint('rank', os.environ['RANK'], 'args', sys.argv[1:])\n")
+    # One write per line: ranks run unbuffered (-u) and share the pipe, so print's separate
+    # writes of each word could interleave between the two ranks.
+    (package / "main.py").write_text(
+        "import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']} args {sys.argv[1:]}\\n\")\n"
+    )
     proc = zerotrain_cli("launch", "--nproc_per_node", "2", "--module", "mytrainer.main", "--flag", check=True)
     assert "rank 0 args ['--local_rank=0', '--flag']" in proc.stdout and "rank 1" in proc.stdout
 

@@ -88,7 +88,9 @@ def test_zerotrain_run_without_a_command_says_what_to_give(tmp_path):
 
 def test_every_rank_of_zerotrain_launch_imports_the_standin(tmp_path):
     script = tmp_path / "probe.py"
-    script.write_text("import os, deepspeed\nprint('RANK', os.environ['RANK'], deepspeed.__zerotrain_standin__)\n")
+    # one write per line: the ranks run unbuffered and share the pipe
+    script.write_text("import os, sys, deepspeed\n"
+                      "sys.stdout.write(f\"RANK {os.environ['RANK']} {deepspeed.__zerotrain_standin__}\\n\")\n")
     proc = _zerotrain("launch", "--num_gpus", "2", str(script), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RANK 0 True" in proc.stdout and "RANK 1 True" in proc.stdout
