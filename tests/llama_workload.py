@@ -55,10 +55,12 @@ def reference_device(device: str) -> torch.device:
     return torch.device("cuda") if device == "gpu" and torch.cuda.is_available() else torch.device("cpu")
 
 
-def train_reference(steps: int = STEPS, device: str = "cpu", **model_kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain torch.optim.AdamW on the whole global batch; weights returned on the CPU."""
+def train_reference(steps: int = STEPS, device: str = "cpu", wrap=None, **model_kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, plain torch.optim.AdamW on the whole global batch; weights returned on the CPU.
+    `wrap(model)` may replace the built model first (e.g. with PEFT's LoRA model)."""
     where = reference_device(device)
-    model = make_model(**model_kwargs).to(where)
+    model = make_model(**model_kwargs)
+    model = (wrap(model) if wrap else model).to(where)
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     losses = []
     for step in range(steps):

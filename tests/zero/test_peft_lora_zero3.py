@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import run_on_ranks
-from llama_workload import CLIP, GLOBAL_BATCH, LR, STEPS, global_batch, make_model, param_groups, zero_config
+from llama_workload import GLOBAL_BATCH, STEPS, global_batch, make_model, param_groups, train_reference, zero_config
 
 pytestmark = pytest.mark.slow  # starts processes: `make test`, not `make check`
 
@@ -59,25 +59,11 @@ def _train_lora_at_stage3() -> dict:
     return {"initial": initial, "losses": losses, "trained": trained}
 
 
-def _train_lora_in_one_process() -> tuple[list[float], dict, dict]:
-    model = _lora(make_model())
-    initial = _adapters(model.named_parameters())
-    opt = torch.optim.AdamW(param_groups(model), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        ids = global_batch(step)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, initial, _adapters(model.named_parameters())
-
-
 def test_lora_added_after_a_zero_init_build_keeps_its_values_and_trains_like_one_process():
     ranks = run_on_ranks(2, _train_lora_at_stage3)
-    ref_losses, ref_initial, ref_trained = _train_lora_in_one_process()
+    ref_initial = _adapters(_lora(make_model()).named_parameters())
+    ref_losses, ref_weights = train_reference(wrap=_lora)
+    ref_trained = _adapters(ref_weights.items())
     assert GLOBAL_BATCH % 2 == 0 and len(ref_initial) == 8  # A and B of q_proj and v_proj, 2 layers
     for r in ranks:
         assert r["initial"].keys() == ref_initial.keys()
