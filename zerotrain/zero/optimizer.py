@@ -118,6 +118,8 @@ class ZeroOptimizer:
             factor *= min(self.clip / (norm + 1e-6), 1.0)
         if factor != 1.0 and not parked:
             torch._foreach_mul_(grads, factor)
+        for fp in self.flat_params:
+            fp.free()  # stage 3: a whole copy still up from backward (prefetch, reuse) would go stale
         sub_groups = self._sub_groups()
         for n, sub_group in enumerate(sub_groups):
             # Step a sub-group at a time: torch optimizers skip parameters without a gradient,

@@ -95,6 +95,12 @@ class ParamGatherer:
     # --- hooks -----------------------------------------------------------------------------
 
     def _before_forward(self, unit: nn.Module, args) -> None:
+        if self._recorded and _in_backward():
+            # Activation checkpointing recomputes the unit inside backward (older transformers and
+            # `checkpoint(module, ...)` run module hooks again): gather it, and move nothing else.
+            # A forward-order prefetch here would re-gather units already reduced and freed.
+            self._acquire(unit)
+            return
         if unit is self.root:
             self._cursor = -1
             self._kept = [u for u in self._kept if any(_is_live(fp) for fp in self.by_unit[u])]
@@ -106,6 +112,8 @@ class ParamGatherer:
             self._prefetch(range(self._cursor + 1, len(self.order)))
 
     def _after_forward(self, unit: nn.Module, args, output) -> None:
+        if self._recorded and _in_backward():
+            return  # a recompute: the unit's backward runs next; the GradReducer frees it after
         if unit is self.root:
             if not self._recorded:
                 self._finish_recording()
@@ -236,6 +244,11 @@ class ParamGatherer:
         self._kept.clear()
         for fps in self.by_unit.values():
             _free(fps)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass in this thread (a checkpointed recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _is_live(fp: FlatParam) -> bool:
