@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
+
+from free_ports import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPU_CHECK_DRY = os.environ.get("GPU_CHECK_DRY") == "1"
@@ -61,12 +62,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(requires_cuda)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue, env: dict) -> None:
@@ -123,7 +118,7 @@ def start_ranks(world_size: int, fn, *args, env: dict | None = None, device: str
     """
     ctx = _rank_context(device, spawn)
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     rank_env = {**os.environ, **(env or {})}
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, queue, rank_env))
              for r in range(world_size)]

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from free_ports import free_port
 from zerotrain.launcher.failures import order_failures
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
@@ -27,12 +28,6 @@ REPORT = re.compile(
 )
 # A launch that is not done by then is hung; fail instead of blocking the suite.
 LAUNCH_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _clean_env() -> dict[str, str]:
@@ -51,7 +46,7 @@ def launch(
     A fresh free --master_port is passed unless `default_port`, so tests do not
     race each other (or anyone else on the machine) for 29500.
     """
-    port_args = [] if default_port else ["--master_port", str(_free_port())]
+    port_args = [] if default_port else ["--master_port", str(free_port())]
     cmd = [sys.executable, "-m", "zerotrain", "launch", *port_args, *args]
     start = time.monotonic()
     done = subprocess.run(
@@ -133,7 +128,7 @@ def test_failing_rank_stops_the_job_with_its_traceback(rank0_waits_in):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_rank(tmp_path):
-    cmd = [sys.executable, "-m", "zerotrain", "launch", "--num_gpus", "2", "--master_port", str(_free_port())]
+    cmd = [sys.executable, "-m", "zerotrain", "launch", "--num_gpus", "2", "--master_port", str(free_port())]
     cmd += [str(SCRIPTS / "sleep_forever.py"), str(tmp_path)]
     # Own process group, so the SIGINT below reaches launcher and workers alike, as Ctrl-C in a terminal does.
     proc = subprocess.Popen(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from zerotrain.bench.bandwidth import (
 from zerotrain.bench.comm import run_worker
 
 from conftest import device_env, on_gpu, zerotrain_script
+from free_ports import free_port
 
 MB = 1 << 20
 
@@ -130,11 +130,6 @@ def test_a_launch_past_the_timeout_is_stopped_and_reported():
 
 # --- the command on two sshd nodes --------------------------------------------------------------
 
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
@@ -150,7 +145,7 @@ def test_comm_on_two_nodes_prints_every_collective_and_size_and_the_pair(make_ss
     out = tmp_path / "comm.json"
     done = subprocess.run(
         [zerotrain_script(), "bench", "comm", str(cluster.hostfile(slots=2)), "--ssh_args", cluster.ssh_args,
-         "--master_port", str(_free_port("127.0.0.21")), "--max-size", "64K", "--warmup", "1", "--iters", "3",
+         "--master_port", str(free_port("127.0.0.21")), "--max-size", "64K", "--warmup", "1", "--iters", "3",
          "--json", str(out)],
         cwd=cwd, env=_env(), capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -187,7 +182,7 @@ def test_comm_on_this_machine_alone_measures_every_collective(tmp_path, device):
     out = tmp_path / "comm.json"
     done = subprocess.run(
         [zerotrain_script(), "bench", "comm", str(hostfile), "--max-size", "64K", "--warmup", "1", "--iters", "3",
-         "--master_port", str(_free_port("127.0.0.1")), "--json", str(out)],
+         "--master_port", str(free_port("127.0.0.1")), "--json", str(out)],
         cwd=tmp_path, env={**_env(), **device_env(device)}, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())

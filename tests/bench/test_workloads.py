@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from zerotrain.train.model import build_model
 from zerotrain.train.zero_fill import build_engine_config
 
 from conftest import zerotrain_script
+from free_ports import free_port
 
 NOMINAL = {"llama-125m": 125e6, "llama-350m": 350e6, "llama-1b": 1e9}
 TINY = ["--model.config_overrides.hidden_size", "32", "--model.config_overrides.intermediate_size", "64",
@@ -59,12 +59,6 @@ def test_unknown_workload_lists_the_built_in_names(tmp_path):
     assert "'llama-7b'" in str(error.value) and "llama-125m, llama-350m, llama-1b" in str(error.value)
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_tiny_workload_trains_on_two_nodes_and_writes_throughput(make_ssh_nodes, tmp_path):
     cluster = make_ssh_nodes(["127.0.0.21", "127.0.0.22"])
@@ -75,7 +69,7 @@ def test_tiny_workload_trains_on_two_nodes_and_writes_throughput(make_ssh_nodes,
            if not k.startswith(("PET_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     argv = [zerotrain_script(), "launch", "--hostfile", str(cluster.hostfile(slots=1)), "--ssh_args", cluster.ssh_args,
-            "--master_port", str(_free_port("127.0.0.21")), "--env", f"ZEROTRAIN_CACHE={tmp_path / 'cache'}",
+            "--master_port", str(free_port("127.0.0.21")), "--env", f"ZEROTRAIN_CACHE={tmp_path / 'cache'}",
             *workload_target("llama-125m", job_dir), *TINY]
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

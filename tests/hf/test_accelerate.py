@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import FIXTURES, _free_port, device_env, on_gpu, user_env, zerotrain_script
+from conftest import FIXTURES, device_env, on_gpu, user_env, zerotrain_script
+from free_ports import free_port
 
 pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
@@ -102,7 +103,7 @@ def test_accelerates_multinode_deepspeed_command_is_a_zerotrain_launch(tmp_path,
         args = launch_command_parser().parse_args(["--config_file", "multinode_pdsh.yaml", "train.py", "--lr", "1"])
         args, defaults, _ = _validate_launch_command(args)
         args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
-        args.main_process_port = port = _free_port()  # Accelerate checks the port is free here
+        args.main_process_port = port = free_port()  # Accelerate checks the port is free here
         command, _ = prepare_deepspeed_cmd_env(args)
     assert command[0] == "deepspeed" and "--no_local_rank" in command and "pdsh" in command
     proc = _run([zerotrain_script(), "launch", "--dry_run", *command[1:]], cwd)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from conftest import FIXTURES, _free_port, device_env, user_env, zerotrain_script
+from conftest import FIXTURES, device_env, user_env, zerotrain_script
+from free_ports import free_port
 
 JOB_SCRIPT = FIXTURES / "scripts" / "hf_trainer_job.py"
 CONFIGS = FIXTURES / "configs" / "hf"
@@ -94,9 +95,9 @@ class TrainerJobs:
 
     def launcher(self, how: str) -> list[str]:
         """The command that starts the script on its ranks: 'launch', 'run-torchrun' or 'torchrun' (no stand-in)."""
-        torchrun = ["torchrun", "--nproc_per_node", str(self.ranks), "--master_port", str(_free_port())]
+        torchrun = ["torchrun", "--nproc_per_node", str(self.ranks), "--master_port", str(free_port())]
         if how == "launch":
-            return [zerotrain_script(), "launch", "--num_gpus", str(self.ranks), "--master_port", str(_free_port())]
+            return [zerotrain_script(), "launch", "--num_gpus", str(self.ranks), "--master_port", str(free_port())]
         if how == "run-torchrun":
             return [zerotrain_script(), "run", *torchrun]
         if how == "torchrun":

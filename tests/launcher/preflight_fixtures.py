@@ -3,7 +3,7 @@ of a pre-flight report."""
 
 from __future__ import annotations
 
-import socket
+from free_ports import free_port
 
 
 def row(report, host):
@@ -14,7 +14,3 @@ def cell(report, host, column):
     return row(report, host).checks[column]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

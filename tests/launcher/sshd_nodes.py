@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from free_ports import free_port
+
 SSHD = Path("/usr/sbin/sshd")
 INSTALL_HINT = "install openssh-server (apt-get install openssh-server)"
 # sshd refuses to start without its privilege separation directory when run as root.
@@ -83,13 +85,6 @@ def openssh_version() -> tuple[int, int]:
     if not found:
         raise RuntimeError(f"cannot read the OpenSSH version from `{SSHD} -V`: {probe.stderr.strip()!r}")
     return int(found.group(1)), int(found.group(2))
-
-
-def free_port(address: str) -> int:
-    """A TCP port nothing listens on at `address` right now (the kernel's pick)."""
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return probe.getsockname()[1]
 
 
 def silent_tcp_server(address: str) -> tuple[socket.socket, int]:

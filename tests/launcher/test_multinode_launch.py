@@ -21,6 +21,7 @@ from pathlib import Path
 from .sshd_nodes import processes_with_env
 
 from conftest import FIXTURES, zerotrain_script
+from free_ports import free_port
 
 SCRIPTS = FIXTURES / "scripts"
 TRAIN = SCRIPTS / "multinode_train.py"
@@ -42,16 +43,8 @@ def _launch_argv(cluster, *args: str, port: int) -> list[str]:
             cluster.ssh_args, "--master_port", str(port), *args]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _run(cluster, cwd: Path, *args: str, job_id: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(_launch_argv(cluster, *args, port=_free_port()), cwd=cwd, env=_env(job_id),
+    return subprocess.run(_launch_argv(cluster, *args, port=free_port()), cwd=cwd, env=_env(job_id),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -89,7 +82,7 @@ def test_two_nodes_of_two_ranks_train_like_one_node_of_four_with_deepspeed_env(s
         assert seen["PROJECT_PATH"] == "/srv/nfs/staging"  # .deepspeed_env: the last value wins
         assert seen["ZEROTRAIN_TEST_VALUE"] == tricky
         assert seen["deepspeed"].endswith("zerotrain/compat/standin/deepspeed/__init__.py")  # each node's own stand-in
-    local = subprocess.run([zerotrain_script(), "launch", "--num_gpus", "4", "--master_port", str(_free_port()),
+    local = subprocess.run([zerotrain_script(), "launch", "--num_gpus", "4", "--master_port", str(free_port()),
                             str(TRAIN)], cwd=cwd, env=_env(f"local-{job}"), capture_output=True, text=True,
                            timeout=180)
     assert local.returncode == 0, local.stderr[-3000:]
@@ -103,7 +96,7 @@ def test_two_nodes_of_two_ranks_train_like_one_node_of_four_with_deepspeed_env(s
 def _start_sleeping_job(cluster, cwd: Path, pids_dir: Path, job_id: str) -> subprocess.Popen:
     """A 2 nodes x 2 ranks job whose ranks sleep; returns its launcher once all 4 ranks are up."""
     launcher = subprocess.Popen(
-        _launch_argv(cluster, str(SCRIPTS / "sleep_forever.py"), str(pids_dir), port=_free_port()),
+        _launch_argv(cluster, str(SCRIPTS / "sleep_forever.py"), str(pids_dir), port=free_port()),
         cwd=cwd, env=_env(job_id), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for(lambda: len(list(pids_dir.glob("rank*.pid"))) == 4, 90, f"job {job_id}'s 4 ranks")
     return launcher
@@ -160,7 +153,7 @@ def test_hang_timeout_prints_every_ranks_python_stack(ssh_cluster, tmp_path):
     job = f"hang-{uuid.uuid4().hex[:8]}"
     launcher = subprocess.Popen(
         _launch_argv(ssh_cluster, "--hang_timeout", "4", str(TRAIN), "--hang-rank", "2", "--steps", "3",
-                     port=_free_port()),
+                     port=free_port()),
         cwd=cwd, env=_env(job), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines: list[str] = []
@@ -210,7 +203,7 @@ def test_elastic_job_goes_on_with_the_first_node_when_the_second_nodes_agent_is_
     job = f"elastic-{uuid.uuid4().hex[:8]}"
     env = {**_env(job), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torch 2.13: restarts hang without it
     argv = _launch_argv(ssh_cluster, "--elastic_training", "--min_elastic_nodes", "1", "--max_elastic_nodes", "2",
-                        "--no_local_rank", str(SCRIPTS / "elastic_steps.py"), "16", port=_free_port())
+                        "--no_local_rank", str(SCRIPTS / "elastic_steps.py"), "16", port=free_port())
     launcher = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines: list[str] = []
@@ -300,7 +293,7 @@ def test_zerotrain_train_with_a_hostfile_trains_on_both_nodes(ssh_cluster, tmp_p
     cwd.mkdir()
     run = tmp_path / "run"
     argv = [zerotrain_script(), "train", "--hostfile", str(ssh_cluster.hostfile(slots=1)), "--nproc_per_node", "1",
-            "--ssh_args", ssh_cluster.ssh_args, "--master_port", str(_free_port()), "--output.dir", str(run),
+            "--ssh_args", ssh_cluster.ssh_args, "--master_port", str(free_port()), "--output.dir", str(run),
             "--data.cache_dir", str(tmp_path / "cache"), "--training.max_steps", "4",
             "--training.micro_batch_size", "4", "--logging.interval", "1", "--data.synthetic.num_examples", "2000"]
     done = subprocess.run(argv, cwd=cwd, env=_env(f"train-{uuid.uuid4().hex[:8]}"), capture_output=True, text=True,
@@ -320,7 +313,7 @@ def test_a_preflight_failure_stops_the_launch_before_any_rank_starts(ssh_cluster
     hostfile.write_text(f"{ssh_cluster.nodes[0].address} slots=2\n127.0.0.9 slots=2\n")
     # A closed port for it, whatever else this machine runs on port 22.
     config = tmp_path / "ssh_config"
-    config.write_text(f"Host 127.0.0.9\n  Port {_free_port()}\nMatch all\n  Include {ssh_cluster.ssh_config}\n")
+    config.write_text(f"Host 127.0.0.9\n  Port {free_port()}\nMatch all\n  Include {ssh_cluster.ssh_config}\n")
     job = f"preflight-{uuid.uuid4().hex[:8]}"
     argv = [zerotrain_script(), "launch", "--hostfile", str(hostfile), "--ssh_args", f"-F {config}",
             str(SCRIPTS / "sleep_forever.py"), str(tmp_path)]
