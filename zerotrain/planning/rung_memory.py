@@ -199,6 +199,8 @@ def estimate_rung(
     gpu["master + optimizer"] = optimizer_bytes if rung.offload_optimizer == "none" else 0
     if rung.offload_optimizer != "none":
         host[rung.offload_optimizer]["master + optimizer"] = optimizer_bytes
+    if rung.offload_optimizer != "none":
+        host["cpu"]["optimizer step temporaries"] = _step_temporary_bytes(buckets, zero.sub_group_size, low)
     if rung.uses_nvme:
         # NVMe shards are swapped through host memory one bucket at a time.
         largest = max((b.shard_size for b in buckets), default=0)
@@ -226,6 +228,20 @@ def _gradient_bucket_bytes(buckets, stage: int, low: int) -> int:
         return 0  # the whole gradients are resident already (counted as gradients) and reduced in place
     sizes = sorted((b.padded_numel for b in buckets), reverse=True)
     return sum(sizes[:_GRAD_BUCKETS_ALIVE]) * low
+
+
+def _step_temporary_bytes(buckets, sub_group_size: int, low: int) -> int:
+    """An offloaded step's own buffers, on the CPU. It steps one sub-group of master shards at a
+    time (zero/optimizer.py), with that sub-group's gradients copied to fp32, after reading each
+    bucket's norm in fp32; Adam on the CPU is torch's fused kernel, which makes no temporary.
+    Nothing is copied when the gradients are fp32 already."""
+    if low == 4:
+        return 0
+    largest = current = 0
+    for b in buckets:  # consecutive buckets up to sub_group_size elements, at least one
+        current = b.shard_size if current and current + b.shard_size > sub_group_size else current + b.shard_size
+        largest = max(largest, current)
+    return (largest + max((b.shard_size for b in buckets), default=0)) * 4
 
 
 def _gathered_unit_bytes(buckets, zero, low: int) -> int:

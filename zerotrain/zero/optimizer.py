@@ -49,7 +49,6 @@ class ZeroOptimizer:
         self.loss_scaler = loss_scaler
         self.allgather_bucket_size = allgather_bucket_size
         self.sub_group_size = sub_group_size
-        self._index = {id(fp): i for i, fp in enumerate(flat_params)}
         groups = []
         for g, options in enumerate(group_options):
             masters = [fp.master for fp in flat_params if fp.group_index == g]
@@ -96,13 +95,14 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """Takes one optimizer step on the reduced gradients. Returns False if fp16 overflowed."""
         parked = self.nvme_grads is not None
-        # In memory, every fp32 gradient now (attached per sub-group below); parked on NVMe, a
-        # sub-group's at a time, after the checks, which use per-bucket partial results.
-        grads = None if parked else [self._master_grad(fp) for fp in self.flat_params]
+        # The checks read the gradients as they are (bf16/fp16 summed in fp32; parked ones through
+        # per-bucket partials). The fp32 copies the step needs are made a sub-group at a time
+        # below: made all at once, an offloaded optimizer's host peak grew by 4 bytes per element.
         if parked:
             nonfinite, sum_sq = self.nvme_grads.partials()
         else:
-            nonfinite, sum_sq = self._local_partials(grads, check_finite=self.loss_scaler is not None)
+            nonfinite, sum_sq = self._local_partials([fp.grad_of_shard() for fp in self.flat_params],
+                                                     check_finite=self.loss_scaler is not None)
         scale = self.cur_scale
         self.overflow = self.loss_scaler is not None and self._overflowed(nonfinite)
         if self.overflow:
@@ -116,8 +116,6 @@ class ZeroOptimizer:
         if self.clip > 0:
             # torch.nn.utils.clip_grad_norm_'s coefficient, clamped to 1.
             factor *= min(self.clip / (norm + 1e-6), 1.0)
-        if factor != 1.0 and not parked:
-            torch._foreach_mul_(grads, factor)
         for fp in self.flat_params:
             fp.free()  # stage 3: a whole copy still up from backward (prefetch, reuse) would go stale
         sub_groups = self._sub_groups()
@@ -125,12 +123,9 @@ class ZeroOptimizer:
             # Step a sub-group at a time: torch optimizers skip parameters without a gradient,
             # so the temporaries of a (CPU) step stay within sub_group_size elements.
             self._swap_in(sub_group, sub_groups[n + 1] if n + 1 < len(sub_groups) else None)
-            if parked:
-                sub_grads = [self._master_grad(fp) for fp in sub_group]
-                if factor != 1.0:
-                    torch._foreach_mul_(sub_grads, factor)
-            else:
-                sub_grads = [grads[self._index[id(fp)]] for fp in sub_group]
+            sub_grads = [self._master_grad(fp) for fp in sub_group]
+            if factor != 1.0:
+                torch._foreach_mul_(sub_grads, factor)
             for fp, g in zip(sub_group, sub_grads):
                 fp.master.grad = g
             self.optimizer.step()
@@ -178,8 +173,9 @@ class ZeroOptimizer:
         if not grads:
             return torch.zeros(()), torch.zeros(())
         nonfinite = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float() if check_finite else None
-        # foreach norms: no squared copy of every bucket
-        return nonfinite, torch.stack(torch._foreach_norm(grads)).square().sum()
+        # Norms summed in fp32 whatever the gradients' dtype, with no squared copy of a bucket.
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        return nonfinite, torch.stack(norms).square().sum()
 
     def _overflowed(self, nonfinite: torch.Tensor) -> bool:
         local = nonfinite.to(self.comm_device)
