@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from config_fixtures import error_of
-from zerotrain.config import ZeroTrainConfig, check_supported, load_config
+from zerotrain.config import ConfigError, ZeroTrainConfig, check_supported, load_config
 
 
 # --------------------------------------------------------------------------- #
@@ -192,3 +192,20 @@ def test_duplicate_keys_are_refused(tmp_path):
 def test_cpu_offload_conflicting_with_offload_section_is_an_error():
     data = {"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}
     assert "remove 'cpu_offload'" in error_of(load_config, data)
+
+
+def test_dotted_top_level_keys_of_a_known_section_change_nothing_and_are_named(caplog):
+    # TRL's prepare_deepspeed writes these for its ZeRO-3 reference model; DeepSpeed reads only
+    # the keys it knows, so they have no effect there either.
+    trl = {"zero_optimization.reduce_bucket_size": 64 * 64,
+           "zero_optimization.stage3_param_persistence_threshold": 10 * 64,
+           "zero_optimization.stage3_prefetch_bucket_size": 0.9 * 64 * 64}
+    with caplog.at_level("WARNING", logger="zerotrain"):
+        cfg = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3}, **trl})
+    assert cfg.zero_optimization.reduce_bucket_size == load_config({"zero_optimization": {"stage": 3}}).zero_optimization.reduce_bucket_size
+    assert "'zero_optimization.reduce_bucket_size'" in caplog.text and "no effect" in caplog.text
+
+
+def test_a_dotted_key_whose_section_is_misspelled_is_still_an_error():
+    with pytest.raises(ConfigError, match="zero_optimizaton.stage.*did you mean 'zero_optimization'"):
+        load_config({"zero_optimizaton.stage": 3})

@@ -14,6 +14,7 @@ from torch import nn
 
 from conftest import run_on_ranks
 from llama_workload import train_reference, train_zerotrain, zero_config
+from zerotrain.zero.partitioned_param import ZeroParamStatus
 
 
 class _Done:
@@ -46,7 +47,7 @@ def test_a_freed_parameter_says_it_is_partitioned_with_its_full_shape(partitione
     w = linear.weight
     assert isinstance(w, PartitionedParameter) and isinstance(w, nn.Parameter)
     assert w.numel() == 0 and tuple(w.ds_shape) == (3, 4) and w.ds_numel == 12
-    assert w.ds_status == "partitioned"
+    assert w.ds_status is ZeroParamStatus.NOT_AVAILABLE
     text = repr(w)
     assert text.startswith("PartitionedParameter(ds_shape=(3, 4), dtype=torch.float32, requires_grad=True")
     assert "sharded across 1 rank;" in text and "zerotrain.zero.GatheredParameters([param])" in text
@@ -57,10 +58,10 @@ def test_a_gathered_parameter_prints_as_a_plain_parameter(partitioned_linear):
     linear, fp, reference = partitioned_linear
     fp.gather()
     w = linear.weight
-    assert w.ds_status == "gathered" and w.shape == (3, 4)
+    assert w.ds_status is ZeroParamStatus.AVAILABLE and w.shape == (3, 4)
     assert repr(w) == repr(reference.weight)  # "Parameter containing:\ntensor([[...]], requires_grad=True)"
     fp.free()
-    assert w.ds_status == "partitioned"
+    assert w.ds_status is ZeroParamStatus.NOT_AVAILABLE
 
 
 def test_autograd_and_torch_optimizers_treat_it_as_a_parameter(partitioned_linear):
@@ -94,7 +95,7 @@ def test_deepcopy_copies_values_while_gathered_and_says_it_has_none_otherwise(pa
     linear, fp, reference = partitioned_linear
     empty = copy.deepcopy(linear)
     assert type(empty.weight) is PartitionedParameter and empty.weight.numel() == 0
-    assert tuple(empty.weight.ds_shape) == (3, 4) and empty.weight.ds_status == "partitioned"
+    assert tuple(empty.weight.ds_shape) == (3, 4) and empty.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
     assert "it holds no values" in repr(empty.weight)
     fp.gather()
     whole = copy.deepcopy(linear)
@@ -145,10 +146,34 @@ def test_stage3_engine_parameters_are_partitioned_and_training_still_matches():
     ref_losses, _ = train_reference(steps=3)
     per_rank = run_on_ranks(2, _stage3_engine_parameters)
     for r in per_rank:
-        assert r["all_partitioned"] and r["statuses"] == {"partitioned"}
+        assert r["all_partitioned"] and r["statuses"] == {ZeroParamStatus.NOT_AVAILABLE}
         assert r["ds_shape"] == (64, 32)
         assert r["freed"].startswith("PartitionedParameter(ds_shape=(64, 32), dtype=torch.float32")
         assert "sharded across 2 ranks" in r["freed"]
-        assert r["gathered"].startswith("Parameter containing:\ntensor([[") and r["status_inside"] == "gathered"
+        assert r["gathered"].startswith("Parameter containing:\ntensor([[") and r["status_inside"] is ZeroParamStatus.AVAILABLE
     losses = [sum(step) / 2 for step in zip(*(r["losses"] for r in per_rank))]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_a_deepspeed_style_maybe_zero_3_gathers_the_whole_values(partitioned_linear, standin_deepspeed):
+    """The idiom of LLaVA-style training scripts and TRL: a parameter with `ds_id` whose status
+    is NOT_AVAILABLE is read inside GatheredParameters. Without `ds_id` they would save it empty."""
+    from deepspeed import zero
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as DeepSpeedStatus
+
+    linear, fp, reference = partitioned_linear
+
+    def maybe_zero_3(param):
+        if hasattr(param, "ds_id"):
+            assert param.ds_status == DeepSpeedStatus.NOT_AVAILABLE
+            with zero.GatheredParameters([param]):
+                return param.data.detach().cpu().clone()
+        return param.detach().cpu().clone()
+
+    assert torch.equal(maybe_zero_3(linear.weight), reference.weight.detach())
+    assert torch.equal(maybe_zero_3(linear.bias), reference.bias.detach())
+    assert isinstance(linear.weight.ds_id, int) and linear.weight.ds_id != linear.bias.ds_id
+    fp.gather(async_op=True)  # a prefetch in flight
+    assert linear.weight.ds_status is ZeroParamStatus.INFLIGHT
+    fp.gather()
+    assert linear.weight.ds_status is ZeroParamStatus.AVAILABLE

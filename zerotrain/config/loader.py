@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
 import re
 from pathlib import Path
@@ -26,6 +27,7 @@ ConfigSource = ZeroTrainConfig | Mapping[str, Any] | str | os.PathLike
 _JSON_SUFFIXES = {".json", ".jsonc", ".hjson"}
 _YAML_SUFFIXES = {".yaml", ".yml"}
 _BASE64_ALPHABET = re.compile(r"^[A-Za-z0-9+/=_\-\s]+$")
+log = logging.getLogger("zerotrain")
 
 
 def load_config(source: ConfigSource) -> ZeroTrainConfig:
@@ -58,11 +60,28 @@ def load_config(source: ConfigSource) -> ZeroTrainConfig:
 def validate_config_dict(data: Mapping[str, Any], origin: str | None = None) -> ZeroTrainConfig:
     """Validate a plain dict against the schema, turning pydantic errors into ConfigError."""
     try:
-        return ZeroTrainConfig.model_validate(dict(data))
+        return ZeroTrainConfig.model_validate(_without_dotted_section_keys(dict(data), origin))
     except ValidationError as error:
         where = f" in {origin}" if origin else ""
         details = _indent(describe_validation_error(error, ZeroTrainConfig))
         raise ConfigError(f"invalid zerotrain config{where}:\n{details}") from None
+
+
+def _without_dotted_section_keys(data: dict[str, Any], origin: str | None) -> dict[str, Any]:
+    """Drops top-level keys such as "zero_optimization.reduce_bucket_size", saying so.
+
+    DeepSpeed reads only the keys it knows, so such a key changes nothing there; TRL writes three
+    of them for its ZeRO-3 reference model. They are dropped here too, where they would otherwise be
+    unknown keys. A dotted key whose first part is not a section stays an error (a typo).
+    """
+    sections = {field.alias or name for name, field in ZeroTrainConfig.model_fields.items()}
+    dotted = [k for k in data if isinstance(k, str) and "." in k and k.split(".", 1)[0] in sections]
+    if dotted:
+        where = f" in {origin}" if origin else ""
+        log.warning(
+            "config%s: top-level keys %s have no effect, as in DeepSpeed (which reads only the keys "
+            "it knows); to change a setting, put it inside its section", where, ", ".join(map(repr, dotted)))
+    return {k: v for k, v in data.items() if k not in dotted}
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -9,8 +9,8 @@ Parameters that are not partitioned (stages 0-2) are already whole: nothing happ
 
 Outside it (and outside their unit's forward and backward), stage-3 parameters are
 `PartitionedParameter`s holding no values: `print(p)` says so and gives the full
-shape (`p.ds_shape`), and `p.ds_status` is "partitioned". Inside it they are whole,
-print as any `nn.Parameter`, and `p.ds_status` is "gathered"; `state_dict()` and
+shape (`p.ds_shape`), and `p.ds_status` is `ZeroParamStatus.NOT_AVAILABLE`. Inside it they are
+whole, print as any `nn.Parameter`, and `p.ds_status` is `AVAILABLE`; `state_dict()` and
 `copy.deepcopy` taken inside it hold the values.
 
 Deferred parameters (a model built under `zero.Init`, not yet given to `initialize`;

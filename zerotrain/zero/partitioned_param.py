@@ -14,16 +14,31 @@ and copying differ:
       To read or change it: with zerotrain.zero.GatheredParameters([param]): ...
 
 Inside `GatheredParameters` (or a unit's forward and backward) it prints as any
-`nn.Parameter`. DeepSpeed's attributes are there: `ds_shape`, `ds_numel` and
-`ds_status` ("gathered" or "partitioned").
+`nn.Parameter`. DeepSpeed's attributes are there: `ds_id` (unique per parameter),
+`ds_shape`, `ds_numel` and `ds_status`, a `ZeroParamStatus` as in DeepSpeed: AVAILABLE while
+whole, INFLIGHT while a prefetch gathers it, NOT_AVAILABLE otherwise. Scripts written for
+DeepSpeed test exactly these (`hasattr(p, "ds_id")`, `p.ds_status == ZeroParamStatus.NOT_AVAILABLE`)
+to decide whether to gather before reading a parameter.
 """
 
 from __future__ import annotations
+
+import enum
+import itertools
 
 import torch
 from torch import nn
 
 _HOW_TO_READ = "with zerotrain.zero.GatheredParameters([param]): ..."
+_next_ds_id = itertools.count()
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's names and values for where a ZeRO-3 parameter's values are."""
+
+    AVAILABLE = 1  # whole in this tensor
+    NOT_AVAILABLE = 2  # sharded: this tensor is empty
+    INFLIGHT = 3  # being gathered (a prefetch)
 
 
 class PartitionedParameter(nn.Parameter):
@@ -37,13 +52,18 @@ class PartitionedParameter(nn.Parameter):
     """
 
     @property
-    def ds_status(self) -> str:
-        """Where the values are: "gathered" (this tensor holds them whole) or "partitioned"."""
+    def ds_status(self) -> ZeroParamStatus:
+        """Where the values are: AVAILABLE (this tensor holds them whole), INFLIGHT, NOT_AVAILABLE."""
         ds_numel = getattr(self, "ds_numel", None)
-        return "partitioned" if ds_numel and self.numel() != ds_numel else "gathered"
+        if not ds_numel or self.numel() == ds_numel:
+            return ZeroParamStatus.AVAILABLE
+        bucket = getattr(self, "_zerotrain_flat_param", None)
+        if bucket is not None and bucket._pending_gather is not None:
+            return ZeroParamStatus.INFLIGHT
+        return ZeroParamStatus.NOT_AVAILABLE
 
     def __repr__(self) -> str:
-        if self.ds_status == "gathered":
+        if self.ds_status is ZeroParamStatus.AVAILABLE:
             # A Parameter aliasing the same memory prints exactly as torch prints parameters.
             return repr(nn.Parameter(self.data, self.requires_grad))
         shape = tuple(getattr(self, "ds_shape", ()))
@@ -70,7 +90,7 @@ class PartitionedParameter(nn.Parameter):
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         if id(self) in memo:
             return memo[id(self)]
-        if self.ds_status == "gathered":
+        if self.ds_status is ZeroParamStatus.AVAILABLE:
             # A whole, independent parameter: what a copy of a model's weights is for.
             result = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
         else:
@@ -89,3 +109,5 @@ def mark_partitioned(param: nn.Parameter) -> None:
     """
     if type(param) is nn.Parameter:
         param.__class__ = PartitionedParameter
+    if not hasattr(param, "ds_id"):
+        param.ds_id = next(_next_ds_id)

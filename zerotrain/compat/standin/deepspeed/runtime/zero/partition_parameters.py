@@ -1,4 +1,5 @@
-"""`deepspeed.runtime.zero.partition_parameters`: the names transformers reaches for.
+"""`deepspeed.runtime.zero.partition_parameters`: the names transformers, TRL and training scripts
+reach for (`ZeroParamStatus` beside `param.ds_status`).
 
 transformers swaps `zero_wrapper_for_fp_tensor_constructor` around `zero.Init` to keep
 `torch.arange`'s dtype; zerotrain's Init never rewrites tensor constructors, so the hook is
@@ -9,6 +10,7 @@ import torch
 
 from zerotrain.compat.accelerator import get_accelerator  # noqa: F401
 from zerotrain.zero import GatheredParameters, Init  # noqa: F401
+from zerotrain.zero.partitioned_param import ZeroParamStatus  # noqa: F401  (TRL, LLaVA-style maybe_zero_3)
 
 _orig_torch_arange = torch.arange
 
