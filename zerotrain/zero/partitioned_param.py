@@ -111,3 +111,12 @@ def mark_partitioned(param: nn.Parameter) -> None:
         param.__class__ = PartitionedParameter
     if not hasattr(param, "ds_id"):
         param.ds_id = next(_next_ds_id)
+
+
+def mark_whole(param: nn.Parameter) -> None:
+    """Gives a ZeRO-3 model's parameter that stays whole (persistent or frozen) DeepSpeed's
+    attributes, as DeepSpeed gives every parameter of such a model: its status is AVAILABLE."""
+    if not hasattr(param, "ds_numel"):
+        param.ds_shape = param.shape
+        param.ds_numel = param.numel()
+    mark_partitioned(param)

@@ -25,6 +25,7 @@ from torch import nn
 from zerotrain.comm import distributed as zdist
 from zerotrain.zero.flat_param import FlatParam, split_into_buckets
 from zerotrain.zero.init_context import Materializer, has_deferred_params
+from zerotrain.zero.partitioned_param import mark_whole
 from zerotrain.zero.units import assign_params_to_units, find_layer_units
 
 if TYPE_CHECKING:
@@ -128,6 +129,9 @@ def build_flat_params(
             zdist.broadcast(t.data, 0, "init")
     if compute_dtype != torch.float32:
         model.to(compute_dtype)  # frozen parameters and floating buffers (buckets are cast already)
+    if plan.shards_params:
+        for p in model.parameters():
+            mark_whole(p)  # no-op for sharded ones; scripts test `ds_status` on every parameter
     for fp in flat_params:
         if plan.keeps_whole_grads:
             fp.ensure_grad_full()
