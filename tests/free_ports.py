@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import socket
 from pathlib import Path
 
 _BLOCK = 1000  # ports per xdist worker
-_next = itertools.count()
+# A random start: two test sessions on one machine (a developer's and a CI clone's) rarely meet.
+_next = itertools.count(random.randrange(_BLOCK))
 
 
 def _ephemeral_low() -> int:
