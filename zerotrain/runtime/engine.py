@@ -32,6 +32,7 @@ from zerotrain.runtime.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
 from zerotrain.zero.param_gatherer import ParamGatherer
+from zerotrain.zero.parameter_offload import ParameterOffload
 from zerotrain.zero.offload_setup import nvme_state_offload, offload_plan
 from zerotrain.zero.stage import StagePlan, build_flat_params
 
@@ -117,6 +118,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
             nvme=nvme.optimizer,
             nvme_grads=nvme.grads,
         )
+        if self.param_gatherer is not None:  # DeepSpeed's name, used by tools that generate at ZeRO-3
+            self.optimizer.parameter_offload = ParameterOffload(self.param_gatherer, model)
         self.lr_scheduler = self._make_scheduler(client_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
 

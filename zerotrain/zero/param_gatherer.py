@@ -83,14 +83,25 @@ class ParamGatherer:
         self._pinned: set[int] = set()  # ids of buckets the root reads: gathered through backward
         self._external_generation = -1
         self._handles = []
+        self.install_hooks()
+
+    def install_hooks(self) -> list:
+        """Hooks every unit's forward (again, after `remove_hooks`); returns the handles."""
+        self.remove_hooks()
         # The root is hooked even without parameters of its own: its forward delimits each step.
-        for unit in {**dict.fromkeys(self.by_unit), root: None}:
+        for unit in {**dict.fromkeys(self.by_unit), self.root: None}:
             self._handles.append(unit.register_forward_pre_hook(self._before_forward))
             self._handles.append(unit.register_forward_hook(self._after_forward))
+        return self._handles
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles = []
+
+    def forget_order(self) -> None:
+        """Records the units' order again at the next forward (the model may run differently now)."""
+        self.order, self._recorded, self._cursor, self._kept = [], False, -1, []
 
     # --- hooks -----------------------------------------------------------------------------
 

@@ -111,6 +111,7 @@ def mark_partitioned(param: nn.Parameter) -> None:
         param.__class__ = PartitionedParameter
     if not hasattr(param, "ds_id"):
         param.ds_id = next(_next_ds_id)
+        param.ds_active_sub_modules = set()  # DeepSpeed's; tools clear it (zero/parameter_offload.py)
 
 
 def mark_whole(param: nn.Parameter) -> None:
