@@ -10,6 +10,7 @@ weights with an fp32 master, DDP fp32 weights under autocast, so losses agree to
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -98,6 +99,24 @@ def test_trl_trainer_matches_ddp(ddp, tmp_path, trainer, name):
     losses = _losses([zerotrain_script(), "launch", "--num_gpus", "2", "--master_port", str(free_port()),
                       str(SCRIPT), trainer, str(model_dir), str(out), str(config)], tmp_path, out)
     assert len(losses) == len(reference) == (12 if trainer == "grpo" else 6)
+    if trainer == "grpo":
+        assert losses == pytest.approx(reference, abs=1e-5)
+    else:
+        assert losses == pytest.approx(reference, rel=TOLERANCE[trainer])
+
+
+@pytest.mark.parametrize("trainer", list(TOLERANCE))
+def test_trl_trainer_through_accelerate_launch_matches_ddp(ddp, tmp_path, trainer):
+    """`accelerate launch` with an `accelerate config` for ZeRO-3 + CPU offload and zero.Init (the
+    DeepSpeed plugin supplies the config; the script passes none), under `zerotrain run`."""
+    model_dir, reference_of = ddp
+    reference = reference_of(trainer)
+    cwd = tmp_path / "cwd"
+    shutil.copytree(FIXTURES / "configs" / "accelerate", cwd)
+    out = tmp_path / "out"
+    losses = _losses([zerotrain_script(), "run", "accelerate", "launch", "--config_file", "zero3_offload.yaml",
+                      "--main_process_port", str(free_port()), str(SCRIPT), trainer, str(model_dir), str(out)],
+                     cwd, out)
     if trainer == "grpo":
         assert losses == pytest.approx(reference, abs=1e-5)
     else:
