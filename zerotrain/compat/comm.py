@@ -1,8 +1,8 @@
 """`deepspeed.comm`: process-group calls, on torch.distributed.
 
 Only `init_distributed` does more than forward: it starts zerotrain's default group (NCCL on
-GPUs, Gloo on CPUs) from whatever launcher set the environment, and tells Accelerate which
-backend it started (see `_tell_accelerate_the_backend`).
+GPUs, Gloo on CPUs) from whatever launcher set the environment, unless one exists, and tells
+Accelerate the group's backend (see `_tell_accelerate_the_backend`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ def init_distributed(
         raise RuntimeError("dist_init_required=False, but torch.distributed is not initialized")
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    started_here = not dist.is_initialized()
     zdist.init_distributed(timeout.total_seconds() if timeout is not None else 1800.0)
-    if started_here:
-        _tell_accelerate_the_backend(dist.get_backend())
+    _tell_accelerate_the_backend(dist.get_backend())
 
 
 def _tell_accelerate_the_backend(backend: str) -> None:
@@ -55,7 +53,12 @@ def _tell_accelerate_the_backend(backend: str) -> None:
 
 
 def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        # Accelerate asks this first and calls init_distributed only when it is False: a group the
+        # script started itself (Axolotl) must reach Accelerate's state here.
+        _tell_accelerate_the_backend(dist.get_backend())
+    return initialized
 
 
 def get_rank(group=None) -> int:
