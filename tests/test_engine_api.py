@@ -224,3 +224,13 @@ def test_progress_with_wall_clock_breakdown_is_reported_every_steps_per_print(ca
     lines = [r.getMessage() for r in caplog.records if r.name == "zerotrain"]
     assert [line.split(" | ")[0] for line in lines] == ["step 2", "step 4"]
     assert all("forward" in line and "backward" in line and "grad norm" in line for line in lines)
+
+
+def test_offload_param_below_stage_3_is_ignored_as_deepspeed_ignores_it_and_said(caplog):
+    # DeepSpeed-Chat's --offload writes offload_param at every stage; DeepSpeed reads it at stage 3 only.
+    plain = zerotrain.initialize(model=_model(), config=_config(zero_optimization={"stage": 2}))[0]
+    with caplog.at_level(logging.WARNING, logger="zerotrain"):
+        offload = {"stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+        engine = zerotrain.initialize(model=_model(), config=_config(zero_optimization=offload))[0]
+    assert "offload_param has no effect at ZeRO stage 2" in caplog.text
+    assert _train(engine, 3) == pytest.approx(_train(plain, 3), rel=1e-6)

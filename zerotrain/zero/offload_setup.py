@@ -15,6 +15,7 @@ checks for the two together.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from zerotrain.zero.nvme_offload import NvmeOptimizerOffload
 from zerotrain.zero.nvme_params import NvmeParamOffload
 from zerotrain.zero.nvme_store import NvmeStore
 from zerotrain.zero.stage import OffloadPlan
+
+log = logging.getLogger("zerotrain")
 
 # fp32 master (4) + Adam's exp_avg and exp_avg_sq (8), per shard element.
 _OPTIMIZER_BYTES_PER_ELEMENT = 12
@@ -57,10 +60,13 @@ def offload_plan(
             "set zero_optimization.stage"
         )
     if par and zero.stage != 3:
-        raise ConfigError(
-            f"zero_optimization.offload_param needs ZeRO stage 3 (stage {zero.stage} keeps parameters whole on "
-            "the device); set zero_optimization.stage to 3 or remove offload_param"
-        )
+        # DeepSpeed reads offload_param at stage 3 only, and scripts write it at every stage
+        # (DeepSpeed-Chat's --offload): accepted as DeepSpeed accepts it, and said.
+        if rank == 0:
+            log.warning(
+                "zero_optimization.offload_param has no effect at ZeRO stage %d (as in DeepSpeed): parameters "
+                "stay whole on the device; only stage 3 offloads them", zero.stage)
+        par = None
     # Stage 1 keeps whole gradients by design; from stage 2 on, only shards exist to park.
     grads_parked = bool(opt and opt.device == "nvme" and zero.stage >= 2)
     # Upper bound of this rank's shard elements: buckets pad to a multiple of the world size.
