@@ -234,3 +234,12 @@ def test_offload_param_below_stage_3_is_ignored_as_deepspeed_ignores_it_and_said
         engine = zerotrain.initialize(model=_model(), config=_config(zero_optimization=offload))[0]
     assert "offload_param has no effect at ZeRO stage 2" in caplog.text
     assert _train(engine, 3) == pytest.approx(_train(plain, 3), rel=1e-6)
+
+
+def test_tput_timer_counts_epochs_and_samples_per_second():
+    # DeepSpeed-Chat calls engine.tput_timer.update_epoch_count() after each epoch.
+    engine = zerotrain.initialize(model=_model(), config=_config())[0]
+    assert engine.tput_timer.avg_samples_per_sec() == 0.0
+    _train(engine, 3)
+    engine.tput_timer.update_epoch_count()
+    assert engine.tput_timer.epoch_count == 1 and engine.tput_timer.avg_samples_per_sec() > 0

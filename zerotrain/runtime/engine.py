@@ -28,6 +28,7 @@ from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.runtime.precision import build_loss_scaler
 from zerotrain.profiling.engine_profiler import EngineFlopsProfiler
 from zerotrain.comm.teardown import own_group
+from zerotrain.runtime.throughput_timer import ThroughputTimer
 from zerotrain.runtime.wall_clock import WallClockBreakdown
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
@@ -130,6 +131,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._inside_no_sync = False
         self._client_optimizer_missing = client_optimizer is None
         self.timers = WallClockBreakdown(config.wall_clock_breakdown, device)
+        self.tput_timer = ThroughputTimer(lambda: self.global_samples)  # DeepSpeed's name, for its scripts
         self.flops_profiler = EngineFlopsProfiler(self) if config.flops_profiler.enabled else None
         # Checkpoint calls meet on a Gloo group with a timeout; creating a group is itself a
         # collective, so it happens here, where every rank is, not in the first save.
@@ -253,6 +255,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
                     )
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self.tput_timer.step_done()
             if self.rank == 0 and self.global_steps % self.parsed_config.steps_per_print == 0:
                 self._print_progress()
         self.micro_steps += 1
