@@ -86,3 +86,44 @@ def test_accelerate_refuses_deepspeed_tensor_parallelism_with_its_own_error(stan
     # Accelerate asks for deepspeed >= 0.16.4 before DeepSpeed's AutoTP and >= 0.18.2 for Ulysses
     assert not compare_versions("deepspeed", ">=", "0.16.4")
     assert compare_versions("deepspeed", ">=", "0.9.3")  # its (and transformers') minimum
+
+
+def test_the_names_deepspeed_chat_imports_are_there(standin_deepspeed):
+    """DeepSpeed-Chat's three steps import these before training (and stopped there on zerotrain)."""
+    from torch import nn
+
+    from deepspeed import get_accelerator
+    from deepspeed.compression.helper import recursive_getattr, recursive_setattr
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    assert get_accelerator().device_name() in ("cpu", "cuda") and ZeroParamStatus.NOT_AVAILABLE.value == 2
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))
+    assert recursive_getattr(model, "0.0") is model[0][0]
+    recursive_setattr(model, "0.0", nn.Identity())
+    assert isinstance(model[0][0], nn.Identity)
+    assert issubclass(FusedAdam, DeepSpeedCPUAdam)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fused_adam_given_to_initialize_steps_as_torch_adam(standin_deepspeed, adam_w_mode):
+    from torch import nn
+
+    from deepspeed.ops.adam import FusedAdam
+
+    def run(make_optimizer):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        optimizer = make_optimizer(model.parameters())
+        engine = zerotrain.initialize(model=model, optimizer=optimizer,
+                                      config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})[0]
+        for step in range(3):
+            x = torch.full((2, 4), float(step + 1))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        return model.weight.detach().clone()
+
+    torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    fused = run(lambda p: FusedAdam(p, lr=0.1, weight_decay=0.1, adam_w_mode=adam_w_mode))
+    reference = run(lambda p: torch_cls(p, lr=0.1, weight_decay=0.1))
+    assert torch.allclose(fused, reference, atol=1e-6)

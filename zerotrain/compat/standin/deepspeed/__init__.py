@@ -14,6 +14,7 @@ except ModuleNotFoundError:
     ) from None
 
 from zerotrain import add_config_arguments, init_distributed, initialize
+from zerotrain.compat.accelerator import get_accelerator  # DeepSpeed-Chat: `from deepspeed import get_accelerator`
 from zerotrain.compat.deepspeed_standin import VERSION as __version__
 from zerotrain.runtime.engine import Engine as DeepSpeedEngine
 from zerotrain.compat.unsupported_features import tp_model_init
@@ -26,4 +27,5 @@ __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __ver
 __git_hash__ = None
 __git_branch__ = None
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "comm", "init_distributed", "initialize", "tp_model_init", "zero"]
+__all__ = ["DeepSpeedEngine", "add_config_arguments", "comm", "get_accelerator", "init_distributed", "initialize",
+           "tp_model_init", "zero"]

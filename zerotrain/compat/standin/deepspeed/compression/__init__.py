@@ -1,0 +1,1 @@
+"""`deepspeed.compression`: only `helper`'s attribute walkers (DeepSpeed-Chat's LoRA code uses them)."""
