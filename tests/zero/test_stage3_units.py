@@ -202,3 +202,22 @@ def test_between_steps_only_shards_remain_whatever_the_knobs(reuse_runs):
     for name, run in reuse_runs.items():
         if name != "sizes":
             assert run["between"] == [0, 0, 0], name
+
+
+def _hidden_states_through_an_inner_module():
+    """What DeepSpeed-Chat's `reward_model.forward_value` does: call a submodule, not the root."""
+    import zerotrain
+
+    model = make_model()
+    engine = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=zero_config(3, 2, 1))[0]
+    ids = global_batch(0)
+    with torch.no_grad():
+        inner = engine.module.model(input_ids=ids).last_hidden_state  # embeddings and final norm: the root unit's
+        whole = engine(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    return inner, whole
+
+
+def test_a_call_that_skips_the_roots_forward_still_gathers_the_roots_parameters():
+    reference = make_model().model(input_ids=global_batch(0)).last_hidden_state.detach()
+    for inner, whole in run_on_ranks(2, _hidden_states_through_an_inner_module):
+        assert torch.allclose(inner, reference, atol=1e-6) and torch.allclose(whole, reference, atol=1e-6)

@@ -83,6 +83,7 @@ class ParamGatherer:
         self._pinned: set[int] = set()  # ids of buckets the root reads: gathered through backward
         self._external_generation = -1
         self._handles = []
+        self._root_depth = 0  # > 0 inside the root's forward
         self.install_hooks()
 
     def install_hooks(self) -> list:
@@ -92,6 +93,13 @@ class ParamGatherer:
         for unit in {**dict.fromkeys(self.by_unit), self.root: None}:
             self._handles.append(unit.register_forward_pre_hook(self._before_forward))
             self._handles.append(unit.register_forward_hook(self._after_forward))
+        # The root unit's parameters are also gathered by the modules that own them, for calls
+        # that do not go through the root's forward (DeepSpeed-Chat's `reward_model.forward_value`).
+        root_params = {id(p) for fp in self.by_unit.get(self.root, []) for p in fp.params}
+        for module in self.root.modules():
+            if module is not self.root and any(id(p) in root_params for p in module.parameters(recurse=False)):
+                self._handles.append(module.register_forward_pre_hook(self._before_root_part))
+                self._handles.append(module.register_forward_hook(self._after_root_part))
         return self._handles
 
     def remove_hooks(self) -> None:
@@ -105,7 +113,17 @@ class ParamGatherer:
 
     # --- hooks -----------------------------------------------------------------------------
 
+    def _before_root_part(self, module: nn.Module, args) -> None:
+        if not self._root_depth:
+            self._acquire(self.root)
+
+    def _after_root_part(self, module: nn.Module, args, output) -> None:
+        if not self._root_depth and not torch.is_grad_enabled():
+            self._free_unit(self.root)  # no backward will follow; with one, the reducer frees it
+
     def _before_forward(self, unit: nn.Module, args) -> None:
+        if unit is self.root:
+            self._root_depth = 1  # set, not counted: a forward that raised never ran its post-hook
         if self._recorded and _in_backward():
             # Activation checkpointing recomputes the unit inside backward (older transformers and
             # `checkpoint(module, ...)` run module hooks again): gather it, and move nothing else.
@@ -115,14 +133,16 @@ class ParamGatherer:
         if unit is self.root:
             self._cursor = -1
             self._kept = [u for u in self._kept if any(_is_live(fp) for fp in self.by_unit[u])]
-        elif not self._recorded:
-            self.order.append(unit)
+        elif not self._recorded and self._root_depth:
+            self.order.append(unit)  # the order is that of the root's forward
         self._acquire(unit)
         if unit is not self.root and self._recorded:
             self._cursor = self._position(unit, start=self._cursor + 1)
             self._prefetch(range(self._cursor + 1, len(self.order)))
 
     def _after_forward(self, unit: nn.Module, args, output) -> None:
+        if unit is self.root:
+            self._root_depth = 0
         if self._recorded and _in_backward():
             return  # a recompute: the unit's backward runs next; the GradReducer frees it after
         if unit is self.root:
