@@ -127,3 +127,21 @@ def test_fused_adam_given_to_initialize_steps_as_torch_adam(standin_deepspeed, a
     fused = run(lambda p: FusedAdam(p, lr=0.1, weight_decay=0.1, adam_w_mode=adam_w_mode))
     reference = run(lambda p: torch_cls(p, lr=0.1, weight_decay=0.1))
     assert torch.allclose(fused, reference, atol=1e-6)
+
+
+def test_activation_checkpointing_configure_takes_defaults_and_refuses_what_zerotrain_lacks(standin_deepspeed):
+    import deepspeed
+
+    deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)  # Lightning's defaults
+    with pytest.raises(NotImplementedError, match="partition_activations=True"):
+        deepspeed.checkpointing.configure(None, partition_activations=True)
+    from deepspeed.utils.logging import logger
+
+    assert logger.name == "zerotrain"
+
+
+def test_the_aio_section_lightning_writes_is_accepted():
+    from zerotrain.config import check_supported, load_config
+
+    aio = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True, "thread_count": 1}
+    check_supported(load_config({"train_micro_batch_size_per_gpu": 1, "aio": aio}))

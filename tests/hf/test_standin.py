@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import user_env, zerotrain_script
+from zerotrain.compat.deepspeed_standin import VERSION
 
 STANDIN = Path(__file__).resolve().parents[2] / "zerotrain" / "compat" / "standin"
 
@@ -44,7 +45,7 @@ def test_zerotrain_run_makes_deepspeed_the_standin_with_metadata_and_command(tmp
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout)
     assert found["standin"] and Path(found["file"]).is_relative_to(STANDIN)
-    assert found["version"] == found["attr_version"] == "0.14.5"
+    assert found["version"] == found["attr_version"] == VERSION
     assert Path(found["command"]) == STANDIN / "bin" / "deepspeed"
 
 
@@ -53,7 +54,7 @@ def test_a_real_deepspeed_beside_zerotrain_is_shadowed_under_run_and_untouched_o
     env = user_env(PYTHONPATH=str(real_deepspeed))
     proc = _zerotrain("run", "python", "-c", PROBE, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["version"] == "0.14.5"
+    assert json.loads(proc.stdout)["version"] == VERSION
     outside = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True)
     found = json.loads(outside.stdout)
     assert not found["standin"] and found["version"] == "0.18.0"
@@ -100,3 +101,8 @@ def test_every_rank_of_zerotrain_launch_imports_the_standin(tmp_path):
 def test_the_deepspeed_command_under_run_is_zerotrain_launch(tmp_path):
     proc = _zerotrain("run", "deepspeed", "--help", cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: zerotrain launch")
+
+
+def test_the_standin_metadata_folder_carries_the_one_version():
+    assert [p.name for p in STANDIN.glob("deepspeed-*.dist-info")] == [f"deepspeed-{VERSION}.dist-info"]
+    assert f"Version: {VERSION}\n" in (STANDIN / f"deepspeed-{VERSION}.dist-info" / "METADATA").read_text()

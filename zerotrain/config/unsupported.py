@@ -207,6 +207,12 @@ def monitor_problem(monitor: Monitor, prefix: str = "") -> str:
     return f"{head}. In `zerotrain train`: {train}. {loop[0].upper()}{loop[1:]}"
 
 
+TUNING_ONLY_KEYS = frozenset({"aio"})
+"""DeepSpeed sections that tune one of its libraries and switch nothing on: `aio` sizes the async
+I/O of DeepSpeed's NVMe offload (zerotrain's NVMe store has its own threads). Lightning writes it
+into every config it builds, with defaults; it is accepted and has no effect."""
+
+
 def check_supported(cfg: ZeroTrainConfig, *, prefix: str = "") -> None:
     """Raise ConfigError listing every feature ``cfg`` asks for that is not built yet.
 
@@ -227,7 +233,7 @@ def check_supported(cfg: ZeroTrainConfig, *, prefix: str = "") -> None:
         if getattr(cfg, monitor.section).enabled:
             problems.append(monitor_problem(monitor, prefix))
     for key, value in cfg.other_deepspeed_keys.items():
-        if _switched_on(value):
+        if key not in TUNING_ONLY_KEYS and _switched_on(value):
             problems.append(
                 f"{prefix}{key} = {render_value(value)}: this DeepSpeed feature is not built in zerotrain; "
                 f"remove '{prefix}{key}' from the config"

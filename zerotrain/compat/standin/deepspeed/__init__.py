@@ -20,7 +20,7 @@ from zerotrain.runtime.engine import Engine as DeepSpeedEngine
 from zerotrain.compat.unsupported_features import tp_model_init
 
 # DeepSpeed's own layout: these are attributes of `deepspeed` once it is imported.
-from deepspeed import accelerator, checkpoint, comm, launcher, runtime, utils, zero  # noqa: E402,F401
+from deepspeed import accelerator, checkpoint, checkpointing, comm, launcher, runtime, utils, zero  # noqa: E402,F401
 
 __zerotrain_standin__ = True
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("."))
