@@ -221,3 +221,29 @@ def test_a_call_that_skips_the_roots_forward_still_gathers_the_roots_parameters(
     reference = make_model().model(input_ids=global_batch(0)).last_hidden_state.detach()
     for inner, whole in run_on_ranks(2, _hidden_states_through_an_inner_module):
         assert torch.allclose(inner, reference, atol=1e-6) and torch.allclose(whole, reference, atol=1e-6)
+
+
+def _generate_with_the_hybrid_engine_section():
+    import logging
+
+    import zerotrain
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zerotrain").addHandler(handler)
+    model = make_model()
+    config = {**zero_config(3, 2, 1), "hybrid_engine": {"enabled": True, "max_out_tokens": 64}}
+    engine = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)[0]
+    prompt = global_batch(0)[:2, :4]
+    with torch.no_grad():
+        out = engine.module.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return out, [r.getMessage() for r in records if "hybrid_engine" in r.getMessage()]
+
+
+def test_hybrid_engine_section_is_accepted_said_once_and_generates_on_gathered_weights():
+    # DeepSpeed-Chat's step 3 with --enable_hybrid_engine (DeepSpeed falls back to generate() too).
+    reference = make_model().generate(global_batch(0)[:2, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for out, said in run_on_ranks(2, _generate_with_the_hybrid_engine_section):
+        assert torch.equal(out, reference)
+        assert len(said) == 1

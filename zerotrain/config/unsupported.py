@@ -14,6 +14,8 @@ loop).  Switched off, they are accepted silently, as every copied DeepSpeed file
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -207,10 +209,18 @@ def monitor_problem(monitor: Monitor, prefix: str = "") -> str:
     return f"{head}. In `zerotrain train`: {train}. {loop[0].upper()}{loop[1:]}"
 
 
-TUNING_ONLY_KEYS = frozenset({"aio"})
-"""DeepSpeed sections that tune one of its libraries and switch nothing on: `aio` sizes the async
-I/O of DeepSpeed's NVMe offload (zerotrain's NVMe store has its own threads). Lightning writes it
-into every config it builds, with defaults; it is accepted and has no effect."""
+EMULATED_KEYS = {
+    "hybrid_engine": "hybrid_engine: DeepSpeed's inference kernels for generation are not built in zerotrain; "
+                     "generate() runs on the training model (at ZeRO-3 on parameters gathered layer by layer), "
+                     "as DeepSpeed does for models its kernels do not cover",
+}
+"""DeepSpeed sections whose feature is replaced by what the plain engine does, said once when on
+(DeepSpeed-Chat's step 3 writes `hybrid_engine` with --enable_hybrid_engine)."""
+
+NEVER_REFUSED_KEYS = frozenset({"aio", *EMULATED_KEYS})
+"""Unmodeled DeepSpeed sections accepted whatever they hold: the emulated ones above, and `aio`,
+which sizes the async I/O of DeepSpeed's NVMe offload and switches nothing on (zerotrain's NVMe
+store has its own threads). Lightning writes `aio` into every config it builds, with defaults."""
 
 
 def check_supported(cfg: ZeroTrainConfig, *, prefix: str = "") -> None:
@@ -221,6 +231,9 @@ def check_supported(cfg: ZeroTrainConfig, *, prefix: str = "") -> None:
     `zerotrain train` YAML, whose monitors are then pointed at that YAML's ``logging``).
     """
     problems: list[str] = []
+    for key, message in EMULATED_KEYS.items():
+        if _switched_on(cfg.other_deepspeed_keys.get(key)):
+            _say_once(message)
     for row in NOT_YET_BUILT:
         value = row.requested(cfg)
         if value is None:
@@ -233,13 +246,22 @@ def check_supported(cfg: ZeroTrainConfig, *, prefix: str = "") -> None:
         if getattr(cfg, monitor.section).enabled:
             problems.append(monitor_problem(monitor, prefix))
     for key, value in cfg.other_deepspeed_keys.items():
-        if key not in TUNING_ONLY_KEYS and _switched_on(value):
+        if key not in NEVER_REFUSED_KEYS and _switched_on(value):
             problems.append(
                 f"{prefix}{key} = {render_value(value)}: this DeepSpeed feature is not built in zerotrain; "
                 f"remove '{prefix}{key}' from the config"
             )
     if problems:
         raise ConfigError(format_problems("this config asks for features zerotrain does not build yet:", problems))
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logging.getLogger("zerotrain").warning(message)
 
 
 def _switched_on(value: Any) -> bool:
