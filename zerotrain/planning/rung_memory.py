@@ -21,6 +21,7 @@ from torch import nn
 from zerotrain.config import load_config, resolve_config
 from zerotrain.planning.ladder import Rung
 from zerotrain.planning.model_states import bucket_layouts, model_states_per_rank
+from zerotrain.zero.optimizer import sub_group_counts
 from zerotrain.zero.stage import StagePlan
 
 GIB = 2**30
@@ -237,11 +238,12 @@ def _step_temporary_bytes(buckets, sub_group_size: int, low: int) -> int:
     Nothing is copied when the gradients are fp32 already."""
     if low == 4:
         return 0
-    largest = current = 0
-    for b in buckets:  # consecutive buckets up to sub_group_size elements, at least one
-        current = b.shard_size if current and current + b.shard_size > sub_group_size else current + b.shard_size
-        largest = max(largest, current)
-    return (largest + max((b.shard_size for b in buckets), default=0)) * 4
+    sizes = [b.shard_size for b in buckets]
+    largest, start = 0, 0
+    for count in sub_group_counts(sizes, sub_group_size):
+        largest = max(largest, sum(sizes[start : start + count]))
+        start += count
+    return (largest + max(sizes, default=0)) * 4
 
 
 def _gathered_unit_bytes(buckets, zero, low: int) -> int:

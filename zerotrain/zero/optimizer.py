@@ -153,15 +153,12 @@ class ZeroOptimizer:
 
     def _sub_groups(self) -> list[list[FlatParam]]:
         """Consecutive buckets of at most `sub_group_size` elements of master shard (one at least)."""
-        groups: list[list[FlatParam]] = [[]]
-        size = 0
-        for fp in self.flat_params:
-            if groups[-1] and size + fp.master.numel() > self.sub_group_size:
-                groups.append([])
-                size = 0
-            groups[-1].append(fp)
-            size += fp.master.numel()
-        return groups
+        sizes = [fp.master.numel() for fp in self.flat_params]
+        groups, start = [], 0
+        for count in sub_group_counts(sizes, self.sub_group_size):
+            groups.append(self.flat_params[start : start + count])
+            start += count
+        return groups or [[]]
 
     def _master_grad(self, fp: FlatParam) -> torch.Tensor:
         """The shard's gradient where the master lives, in fp32 (a copy only when needed)."""
@@ -256,3 +253,18 @@ class ZeroOptimizer:
                     key = "optimizer_state" if v.numel() > 1 else "optimizer_scalars"
                     out[key] += v.untyped_storage().nbytes()
         return out
+
+
+def sub_group_counts(sizes: list[int], limit: int) -> list[int]:
+    """How many consecutive buckets (of `sizes` elements) each optimizer sub-group takes: as many as
+    fit in `limit` elements, one at least. The planner sizes the step's temporaries by it too."""
+    counts: list[int] = []
+    total = 0
+    for size in sizes:
+        if counts and total + size <= limit:
+            counts[-1] += 1
+            total += size
+        else:
+            counts.append(1)
+            total = size
+    return counts

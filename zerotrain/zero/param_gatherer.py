@@ -102,6 +102,11 @@ class ParamGatherer:
                 self._handles.append(module.register_forward_hook(self._after_root_part))
         return self._handles
 
+    @property
+    def hooks(self) -> list:
+        """The handles of the hooks installed now."""
+        return list(self._handles)
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()

@@ -44,7 +44,7 @@ class ParameterOffload:
     def __init__(self, gatherer: ParamGatherer, module: nn.Module) -> None:
         self._gatherer = gatherer
         self.module = module
-        self.forward_hooks = list(gatherer._handles)
+        self.forward_hooks = gatherer.hooks
         self.backward_hooks: list = []  # gradients arrive through tensor hooks made per forward
         self.param_coordinator = _TraceCoordinator(gatherer)
         module.ds_external_parameters = lambda: [
