@@ -90,16 +90,25 @@ class FlatParam:
             mark_partitioned(p)  # prints as partitioned, not as an empty tensor
         self.free()
 
-    def free(self) -> None:
+    def free(self, hand_over: bool = False) -> None:
         """Releases the whole buffer's memory. Parameters become empty tensors (their full shape
-        stays in `param.ds_shape`): never views of freed memory, which would read garbage."""
+        stays in `param.ds_shape`): never views of freed memory, which would read garbage.
+
+        Inside a step the storage is emptied in place, so the views autograd saved for backward
+        see the values again once backward gathers the unit. With `hand_over` (the end of a user's
+        `GatheredParameters`) the buffer gets a new storage instead, and the old one lives on for
+        as long as the user holds tensors taken from it (`p.data.cpu()` is `p.data` on a CPU).
+        """
         if self._pending_gather is not None:
             self.gather()  # a prefetch nobody used: let it land before releasing its memory
         if self.local_shard is not None and self.gathered:
             empty = torch.empty(0, dtype=self.data.dtype, device=self.data.device)
             for p in self.params:
                 p.data = empty
-            self.data.untyped_storage().resize_(0)
+            if hand_over:
+                self.data = empty  # the next gather allocates a new buffer
+            else:
+                self.data.untyped_storage().resize_(0)
             self.gathered = False
         if self.swap is not None:
             self.swap.release(self)  # a read that a prefetch started and no gather used
@@ -118,7 +127,10 @@ class FlatParam:
                 return
             from zerotrain.comm import distributed as zdist
 
-            self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+            if self.data.numel() == self.padded_numel:
+                self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+            else:  # freed with hand_over: the old storage is the user's now
+                self.data = torch.empty(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
             shard = self.local_shard.to(self.data.device, non_blocking=True)  # offloaded shards come in first
             self._pending_gather = zdist.all_gather(self.data, shard, "param", async_op=True)
         if async_op:

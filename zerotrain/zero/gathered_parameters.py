@@ -83,7 +83,7 @@ class GatheredParameters:
                     fp.set_shard(fp.data[fp.shard_start : fp.shard_start + fp.shard_size], with_master=True)
         for fp, was in zip(self.flat_params, self._was_gathered):
             if not was:
-                fp.free()
+                fp.free(hand_over=True)  # tensors the user took inside stay valid (see FlatParam.free)
         self._exit_deferred()
 
     # --- deferred parameters (built under zero.Init, before initialize) -----------------------
