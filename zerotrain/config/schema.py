@@ -163,7 +163,8 @@ class ZeroTrainConfig(ConfigSection):
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """Dtype gradients are reduced in; unset means the training dtype."""
     prescale_gradients: bool = False
-    """Divide gradients by the world size before the reduction instead of after."""
+    """Divide gradients by the world size before the reduction instead of after (stage 0; stages
+    1-3 always divide before, as DeepSpeed's ZeRO optimizers do, so fp16 sums cannot overflow)."""
     gradient_predivide_factor: float = Field(1.0, gt=0)
     """Divide gradients by this factor before the reduction and by world/factor after."""
 

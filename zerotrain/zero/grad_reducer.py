@@ -54,10 +54,15 @@ class GradReducer:
         self.flat_params = flat_params
         self.stage = stage
         self.comm_dtype = comm_dtype
-        # DeepSpeed's scaling around the sum: either divide by N before, or by the
-        # pre-divide factor before and the rest after. The product is always 1/N.
+        # DeepSpeed's scaling around the sum; the product is always 1/N. Its ZeRO optimizers
+        # (stages 1-3) divide by N before the sum, so that fp16 gradients that fit on each rank
+        # cannot overflow in the sum: dividing after it made zerotrain skip fp16 steps that
+        # DeepSpeed takes. Stage 0 (its engine's all-reduce) divides by the pre-divide factor
+        # before and the rest after, unless prescale_gradients says all before.
         if prescale_gradients:
             self.pre_scale, self.post_scale = 1.0 / world_size, 1.0
+        elif stage >= 1:
+            self.pre_scale, self.post_scale = 1.0 / (predivide_factor * world_size), predivide_factor
         else:
             self.pre_scale, self.post_scale = 1.0 / predivide_factor, predivide_factor / world_size
         self.reduce_in_backward = False
