@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test check stress bench install gpu-wheels gpu-check clean
+.PHONY: demo test check stress bench install gpu-wheels gpu-check deepspeed-chat-check clean
 
 $(VENV)/.torch-$(firstword $(TORCH)):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,19 @@ ifeq ($(GPU_CHECK_DRY),1)
 else
 	benchmarks/gpu/run.sh all
 endif
+
+# DeepSpeed-Chat's three steps on zerotrain (tests/clients/test_deepspeed_chat.py). It is not on
+# PyPI and needs transformers < 5, so it gets its own venv; DSCHAT is a checkout's DeepSpeed-Chat
+# folder (git clone https://github.com/deepspeedai/DeepSpeedExamples).
+DSCHAT      ?=
+DSCHAT_VENV ?= .venv-dschat
+deepspeed-chat-check: install
+	@test -n "$(DSCHAT)" || { echo "set DSCHAT=<DeepSpeedExamples>/applications/DeepSpeed-Chat"; exit 2; }
+	test -x $(DSCHAT_VENV)/bin/zerotrain || { $(PYTHON) -m venv $(DSCHAT_VENV) && \
+	  $(DSCHAT_VENV)/bin/pip install -q "torch==$(TORCH)" && \
+	  $(DSCHAT_VENV)/bin/pip install -q -e . "transformers<5" datasets tensorboard; }
+	ZEROTRAIN_DSCHAT_DIR=$(abspath $(DSCHAT)) ZEROTRAIN_DSCHAT_VENV=$(abspath $(DSCHAT_VENV)) \
+	  $(PY) -m pytest -q -p no:xdist tests/clients/test_deepspeed_chat.py
 
 # 105 runs of a DeepSpeed-style script that ends without destroy_process_group (stages 0-3,
 # offload none/cpu): every one must exit 0 with no crash at interpreter exit.

@@ -104,3 +104,25 @@ def test_torch_modules_under_init_match_an_eager_build_bit_for_bit():
     build_flat_params(deferred, [trainable], StagePlan(0), 10**9, torch.float32)  # as initialize does, one rank
     for (name, want), (_, got) in zip(eager.state_dict().items(), deferred.state_dict().items()):
         assert torch.equal(got, want), name
+
+
+def test_after_a_build_under_init_the_generator_is_where_an_eager_build_leaves_it():
+    # DeepSpeed-Chat adds its reward model's value head after from_pretrained, and Hugging Face's
+    # resize_token_embeddings builds a new embedding under Init and then draws its values: what
+    # is drawn after a build must be what is drawn after an eager one (DeepSpeed's zero.Init
+    # initializes each parameter for real before partitioning it), or stage 3 trains another model.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerotrain.zero import Init
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    after = {}
+    for name, enabled in (("eager", False), ("init", True)):
+        torch.manual_seed(0)
+        with Init(enabled=enabled):
+            _torch_model()
+            torch.randn(5, device="meta" if enabled else "cpu")  # a random op outside any initializer
+            LlamaForCausalLM(config)
+        after[name] = (nn.Linear(32, 1).weight.detach().clone(), torch.rand(4))
+    assert torch.equal(after["init"][0], after["eager"][0]) and torch.equal(after["init"][1], after["eager"][1])

@@ -248,7 +248,9 @@ def test_peak_memory_is_shards_plus_one_unit():
         model, unit = r["model"], r["unit"]
         report = {k: f"{v / MiB:.1f} MiB" for k, v in r.items()}
         assert model > 150 * MiB and unit < model / 8, report
-        assert r["built"] < 16 * MiB, report  # construction allocates no parameter
+        # Construction keeps no parameter; it replays each initializer on scratch stand-ins for one
+        # module's parameters at a time (the generator then moves on as in an eager build).
+        assert r["built"] < unit + 16 * MiB, report
         # Until the gradient shards exist: this rank's parameter shards and one whole unit (with
         # that unit's new shard, copied out before the unit's buffer is freed).
         assert r["sharded"] <= model / 2 + unit * 1.5 + SLACK, report

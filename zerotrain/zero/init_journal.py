@@ -1,36 +1,34 @@
 """The record `zero.Init` keeps of a model's initialization, so a deferred model gets the
-values an eager build would have given it, bit for bit.
+values an eager build would have given it, bit for bit, and leaves torch's generator where
+an eager build leaves it.
 
 An eager build (`torch.manual_seed(s)`, then the model) draws every initial value from
 torch's CPU generator in one stream: each module's constructor initializes its
 parameters (`reset_parameters()`), then a Hugging Face model's `post_init()`
 initializes them again with `_init_weights(module)`, module by module. Under `Init`
-the parameters are meta tensors, and random ops on meta tensors draw nothing, so
-the stream is never consumed. The journal records instead, in order:
+the parameters are meta tensors, and random ops on meta tensors draw nothing. So, as
+the model is built, the journal:
 
-- every outermost initializer call (`reset_parameters()`, `_init_weights(module)`),
-  with the parameter objects the module held at that moment (a tied weight is re-bound
-  later: the call wrote the module's own parameter, not the one it ends up sharing);
-- every random op outside those calls (on meta tensors or real ones): its shapes,
-  strides, dtypes and arguments, enough to consume the same numbers on a scratch tensor;
-- the generator state whenever it changed behind the journal's back (`torch.manual_seed`
-  inside the context).
+- notes every outermost initializer call (`reset_parameters()`, `_init_weights(module)`)
+  with the generator state it started from and the parameter objects the module held
+  at that moment (a tied weight is re-bound later: the call wrote the module's own
+  parameter, not the one it ends up sharing), then replays the call on scratch
+  stand-ins for those parameters, one module at a time, so that the stream moves on by
+  exactly what the eager call drew (even where that depends on the values drawn, as in
+  rejection sampling, or where an initializer skips meta tensors, as `trunc_normal_`);
+- runs every random op on a meta tensor outside those calls again on a scratch tensor
+  of the same layout, for the same reason.
 
-`call_states` (rank 0, before the first unit) walks the journal: it replays the ops on
-scratch tensors and each call on scratch stand-ins for its module's parameters, one at
-a time (memory: one module), reading the generator state as each call starts. Replaying
-whole calls, not their ops, consumes exactly what the eager call did, even where that
-depends on the values drawn (rejection sampling) or where an initializer skips meta
-tensors altogether (`trunc_normal_`). Materializing a unit then reruns its modules'
-calls, in journal order, each from its recorded state: the values an eager build
-computes, without ever holding more than that unit.
+Code that draws after the build (a value head a script adds, a resized embedding)
+therefore gets the numbers it gets after an eager build, as with DeepSpeed's `zero.Init`,
+which initializes each parameter for real before it partitions it. Materializing a unit
+(init_context.py) reruns its modules' calls, in build order, each from its noted state:
+the values an eager build computes, without ever holding more than that unit.
 
 Values a module computed outside any initializer (`nn.Parameter(torch.randn(d))` in its
-`__init__`) are kept from `__init__` when small (see `init_context`), drawn at a
-different point of the stream than an eager build would: those match only in
-distribution. An initializer that writes its submodules' parameters is replayed with
-its own parameters only (the submodules stay meta while the journal is walked), so it
-matches only in distribution too.
+`__init__`) are kept from `__init__` when small (see `init_context`). An initializer that
+writes its submodules' parameters is replayed with its own parameters only (the
+submodules stay meta while the model is built), so it matches only in distribution.
 """
 
 from __future__ import annotations
@@ -76,6 +74,7 @@ class InitCall:
     args: tuple
     kwargs: dict
     params: dict[str, nn.Parameter]  # module._parameters at the time of the call
+    state: torch.Tensor  # the CPU generator state the call started from
 
     def replay(self) -> None:
         self.method(*self.args, **self.kwargs)
@@ -90,7 +89,8 @@ class InitCall:
                 if p is not None:
                     self.module._parameters[name] = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
                                                                  requires_grad=p.requires_grad)
-            self.replay()
+            with torch.no_grad():
+                self.replay()
         finally:
             self.module._parameters.clear()
             self.module._parameters.update(saved)
@@ -98,34 +98,17 @@ class InitCall:
 
 @dataclass
 class InitJournal:
-    """Ordered events of one `Init` context: ("state", tensor), ("op", func, args, kwargs), ("call", index)."""
+    """The initializer calls of one `Init` context, in the order they were made."""
 
-    events: list[tuple] = field(default_factory=list)
     calls: list[InitCall] = field(default_factory=list)
     recording: bool = False
     _depth: int = 0
-    _expected_state: torch.Tensor | None = None
 
     # --- recording -------------------------------------------------------------------------
-
-    def _sync_state(self) -> None:
-        """Notes the generator state if it is not what the journal's own record implies (a reseed)."""
-        state = torch.get_rng_state()
-        if self._expected_state is None or not torch.equal(state, self._expected_state):
-            self.events.append(("state", state))
-            self._expected_state = state
 
     def wants_op(self) -> bool:
         """Random ops inside an initializer call are consumed by replaying the call itself."""
         return self.recording and self._depth == 0
-
-    def record_op(self, func: Any, args: tuple, kwargs: dict) -> None:
-        self._sync_state()
-        self.events.append(("op", func, tree_map(_spec, args), tree_map(_spec, kwargs)))
-
-    def op_done(self) -> None:
-        # A real op moved the generator; a meta one did not (that is why it is recorded).
-        self._expected_state = torch.get_rng_state()
 
     def wrap(self, module: nn.Module, name: str) -> None:
         """Replaces `module.<name>` (an initializer) by one that records its outermost calls."""
@@ -138,47 +121,34 @@ class InitJournal:
             if not journal.recording or journal._depth:
                 return method(*args, **kwargs)
             target = args[0] if name == "_init_weights" and args and isinstance(args[0], nn.Module) else module
-            journal._sync_state()
-            journal.events.append(("call", len(journal.calls)))
-            journal.calls.append(InitCall(target, method, args, kwargs, dict(target._parameters)))
-            journal._depth += 1
+            call = InitCall(target, method, args, kwargs, dict(target._parameters), torch.get_rng_state())
+            journal.calls.append(call)
+            journal._depth += 1  # the call's own random ops are not recorded: replaying it consumes them
             try:
-                return method(*args, **kwargs)
+                result = method(*args, **kwargs)
+                if any(p is not None and p.is_meta for p in call.params.values()):
+                    torch.set_rng_state(call.state)  # what the call drew for real is drawn again
+                    call.replay_on_scratch()
+                return result
             finally:
                 journal._depth -= 1
-                # Whatever the call drew is accounted for by replaying it: not a reseed.
-                journal._expected_state = torch.get_rng_state()
 
         setattr(recorded, _RECORDED, True)
         object.__setattr__(module, name, recorded)
 
-    # --- replay ----------------------------------------------------------------------------
-
     def call_states(self) -> list[torch.Tensor]:
-        """The CPU generator state at the start of each call, as an eager build would have had it."""
-        states: list[torch.Tensor] = []
-        last_call = max((i for i, e in enumerate(self.events) if e[0] == "call"), default=-1)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for event in self.events[: last_call + 1]:
-                if event[0] == "state":
-                    torch.set_rng_state(event[1])
-                elif event[0] == "op":
-                    _, func, args, kwargs = event
-                    func(*tree_map(_scratch, args), **_on_cpu(tree_map(_scratch, kwargs)))  # consumed, dropped
-                else:
-                    states.append(torch.get_rng_state())
-                    self.calls[event[1]].replay_on_scratch()
-        return states
+        """The CPU generator state at the start of each call, as an eager build had it."""
+        return [call.state for call in self.calls]
 
     def close(self) -> None:
         """Drops the record (it holds the modules): called once the model is materialized."""
-        self.events.clear()
         self.calls.clear()
         self.recording = False
 
 
 class RandomOpRecorder(TorchDispatchMode):
-    """While a model is built under `Init`: every random op drawing from the CPU generator goes to the journal."""
+    """While a model is built under `Init`: a random op on a meta tensor that an eager build would have
+    drawn from the CPU generator runs again on a scratch tensor, so the stream moves on as eagerly."""
 
     def __init__(self, journal: InitJournal) -> None:
         super().__init__()
@@ -187,12 +157,10 @@ class RandomOpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        record = self.journal.wants_op() and self._is_random(func) and _draws_from_cpu_default(args, kwargs)
-        if record:
-            self.journal.record_op(func, args, kwargs)
         out = func(*args, **kwargs)
-        if record:
-            self.journal.op_done()
+        if self.journal.wants_op() and self._is_random(func) and _on_meta(args, kwargs) and _draws_from_cpu_default(args, kwargs):
+            # Drew nothing: draw what it would have drawn on the CPU, and drop it.
+            func(*tree_map(_scratch, tree_map(_spec, args)), **_on_cpu(tree_map(_scratch, tree_map(_spec, kwargs))))
         return out
 
     def _is_random(self, func) -> bool:
@@ -203,6 +171,14 @@ class RandomOpRecorder(TorchDispatchMode):
             )
             self._random[func] = known
         return known
+
+
+def _on_meta(args: tuple, kwargs: dict) -> bool:
+    """True when the op ran on the meta device (and so drew nothing)."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "meta":
+        return True
+    return any(t.is_meta for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor))
 
 
 def _draws_from_cpu_default(args: tuple, kwargs: dict) -> bool:
