@@ -123,6 +123,8 @@ def test_after_a_build_under_init_the_generator_is_where_an_eager_build_leaves_i
         with Init(enabled=enabled):
             _torch_model()
             torch.randn(5, device="meta" if enabled else "cpu")  # a random op outside any initializer
-            LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config)
+        # Hugging Face's ZeRO-3 resize builds the new embedding on the old one's device: meta here.
+        nn.Embedding(48, 32, device=model.model.embed_tokens.weight.device)
         after[name] = (nn.Linear(32, 1).weight.detach().clone(), torch.rand(4))
     assert torch.equal(after["init"][0], after["eager"][0]) and torch.equal(after["init"][1], after["eager"][1])

@@ -43,11 +43,38 @@ from zerotrain.zero.deferred_modules import (
     has_deferred_params,
 )
 from zerotrain.zero.deferred_values import replace_tensor
-from zerotrain.zero.init_journal import InitCall, InitJournal, RandomOpRecorder, initializer_names, unwrap
+from zerotrain.zero.init_journal import (
+    InitCall,
+    InitJournal,
+    RandomOpRecorder,
+    draw_as_eager,
+    initializer_names,
+    unwrap,
+)
 from zerotrain.zero.units import assign_params_to_units
 
 _KEPT = "_zerotrain_init_values"  # small parameters' values from __init__, for modules with no initializer
 _KEEP_NUMEL = 1 << 16
+
+# Journals of models built under Init and not materialized yet, and the Init contexts open now.
+_pending: dict[int, InitJournal] = {}
+_open_contexts = 0
+_meta_hook = None
+
+
+def on_meta_parameter(module: nn.Module, name: str, param):
+    """Parameter registration hook, on from the first `Init` for the rest of the process.
+
+    While a deferred model exists, a module built outside `Init` on the meta device took that
+    device from a deferred parameter (Hugging Face's ZeRO-3 `resize_token_embeddings` builds the
+    new embedding "on the old one's device"). Eagerly, and under DeepSpeed's zero.Init, whose
+    parameters live on a real device, it would have drawn its initial values: its initializers
+    draw as on the CPU, so what is drawn next (a value head) is what it is at stage 2.
+    """
+    if (_pending and not _open_contexts and isinstance(param, nn.Parameter) and param.is_meta
+            and DEFERRED not in module.__dict__):
+        draw_as_eager(module)
+    return None
 
 
 class Init:
@@ -89,8 +116,12 @@ class Init:
         self._recorder: RandomOpRecorder | None = None
 
     def __enter__(self) -> Init:
+        global _meta_hook, _open_contexts
         if self.enabled:
             install_adoption_hook()
+            if _meta_hook is None:
+                _meta_hook = torch_module.register_module_parameter_registration_hook(on_meta_parameter)
+            _open_contexts += 1
             self._handles = [
                 torch_module.register_module_parameter_registration_hook(self._on_parameter),
                 torch_module.register_module_module_registration_hook(self._on_submodule),
@@ -101,9 +132,13 @@ class Init:
         return self
 
     def __exit__(self, *exc) -> None:
+        global _open_contexts
         if self._recorder is not None:
             self._recorder.__exit__(*exc)
             self._recorder = None
+            _open_contexts -= 1
+            if self._journal.calls:
+                _pending[id(self._journal)] = self._journal
         self._journal.recording = False
         for handle in self._handles:
             handle.remove()
@@ -218,6 +253,7 @@ class Materializer:
             for key in (DEFERRED, TARGET_DEVICE, _KEPT, ADOPTED, "_apply"):
                 m.__dict__.pop(key, None)
         for journal in self.journals:
+            _pending.pop(id(journal), None)
             journal.close()
         self.calls = {}
 

@@ -79,6 +79,15 @@ class InitCall:
     def replay(self) -> None:
         self.method(*self.args, **self.kwargs)
 
+    def run(self) -> Any:
+        """Makes the call. If it met meta parameters (they draw nothing), replays it on scratch from
+        its start state, so the generator moves on as the eager call on the CPU moved it."""
+        result = self.method(*self.args, **self.kwargs)
+        if any(p is not None and p.is_meta for p in self.params.values()):
+            torch.set_rng_state(self.state)
+            self.replay_on_scratch()
+        return result
+
     def replay_on_scratch(self) -> None:
         """Runs the call on throwaway CPU tensors standing for the module's parameters, only to
         consume the generator as the eager call did (rejection sampling draws a data-dependent
@@ -120,16 +129,11 @@ class InitJournal:
         def recorded(*args, **kwargs):
             if not journal.recording or journal._depth:
                 return method(*args, **kwargs)
-            target = args[0] if name == "_init_weights" and args and isinstance(args[0], nn.Module) else module
-            call = InitCall(target, method, args, kwargs, dict(target._parameters), torch.get_rng_state())
+            call = _call(module, name, method, args, kwargs)
             journal.calls.append(call)
             journal._depth += 1  # the call's own random ops are not recorded: replaying it consumes them
             try:
-                result = method(*args, **kwargs)
-                if any(p is not None and p.is_meta for p in call.params.values()):
-                    torch.set_rng_state(call.state)  # what the call drew for real is drawn again
-                    call.replay_on_scratch()
-                return result
+                return call.run()
             finally:
                 journal._depth -= 1
 
@@ -144,6 +148,25 @@ class InitJournal:
         """Drops the record (it holds the modules): called once the model is materialized."""
         self.calls.clear()
         self.recording = False
+
+
+def _call(module: nn.Module, name: str, method: Callable[..., Any], args: tuple, kwargs: dict) -> InitCall:
+    target = args[0] if name == "_init_weights" and args and isinstance(args[0], nn.Module) else module
+    return InitCall(target, method, args, kwargs, dict(target._parameters), torch.get_rng_state())
+
+
+def draw_as_eager(module: nn.Module) -> None:
+    """Wraps the initializers of a module built on the meta device outside `Init`, so that their
+    calls move the generator on as on the CPU (see `init_context.on_meta_parameter`)."""
+    for name in initializer_names(module):
+        method = getattr(module, name, None)
+        if callable(method) and not getattr(method, _RECORDED, False):
+
+            def drawing(*args, _name=name, _method=method, **kwargs):
+                return _call(module, _name, _method, args, kwargs).run()
+
+            setattr(drawing, _RECORDED, True)
+            object.__setattr__(module, name, drawing)
 
 
 class RandomOpRecorder(TorchDispatchMode):
