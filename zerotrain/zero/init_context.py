@@ -43,14 +43,8 @@ from zerotrain.zero.deferred_modules import (
     has_deferred_params,
 )
 from zerotrain.zero.deferred_values import replace_tensor
-from zerotrain.zero.init_journal import (
-    InitCall,
-    InitJournal,
-    RandomOpRecorder,
-    draw_as_eager,
-    initializer_names,
-    unwrap,
-)
+from zerotrain.zero.init_journal import InitCall, InitJournal, RandomOpRecorder, draw_as_eager
+from zerotrain.zero.init_journal import initializer_names, unwrap
 from zerotrain.zero.units import assign_params_to_units
 
 _KEPT = "_zerotrain_init_values"  # small parameters' values from __init__, for modules with no initializer
