@@ -84,6 +84,16 @@ def test_a_resume_target_that_is_not_a_checkpoint_fails_before_any_step(zerotrai
     assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
 
 
+def test_resume_with_no_checkpoint_fails_before_any_rank_starts_naming_the_folder(zerotrain_cli, tmp_path):
+    # It used to start a new run from step 0 and exit 0. Not slow: it ends before any rank starts.
+    run = tmp_path / "run"
+    proc = _train(zerotrain_cli, run, "--training.max_steps", "2", "--resume", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "nothing to resume" in proc.stderr and str(run / "checkpoints") in proc.stderr, proc.stderr
+    assert "training.resume: auto" in proc.stderr and "Traceback" not in proc.stderr
+    assert not run.exists(), "nothing is written"
+
+
 @pytest.mark.slow
 def test_a_foreground_run_refuses_a_folder_with_a_live_run(zerotrain_cli, tmp_path):
     run = tmp_path / "run"

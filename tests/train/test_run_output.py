@@ -171,6 +171,9 @@ def test_run_output_off_a_terminal_has_whole_lines_and_no_bar(stage3_run):
     assert len(line) > 80 and "| mem r0 model states" in line and "; r1 model states" in line, line
     assert not any(c in output for c in BAR_CHARACTERS), output[-3000:]
     assert "tokenizing synthetic arithmetic" in proc.stderr and "tokenized synthetic arithmetic" in proc.stderr
+    # The model's size is said before the first step, counted whole although ZeRO-3 shards it.
+    starts = [line for line in proc.stdout.splitlines() if line.startswith("model: LlamaForCausalLM, ")]
+    assert len(starts) == 1 and "591,232 parameters; 2 ranks" in starts[0], output[-3000:]
 
     with open(run / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))

@@ -101,11 +101,9 @@ def _check_train_config(args: argparse.Namespace, console: Console) -> int:
     cfg = load_train_config(args.path, overrides)
     # What the trainer would refuse only after its workers have started: a misspelt architecture,
     # features not built, DeepSpeed monitor sections.  Every problem is reported at once.
-    problems = []
-    if cfg.model.architecture is not None:
-        from zerotrain.train.model_checks import check_architecture
+    from zerotrain.train.model import check_model_config
 
-        problems += _problem(check_architecture, cfg.model.architecture)
+    problems = _problem(check_model_config, cfg.model)
     problems += _problem(lambda: check_supported(cfg.zero_config(), prefix="zero."))
     if len(problems) == 1:
         raise ConfigError(f"{args.path}: {problems[0]}")

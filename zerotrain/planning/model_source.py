@@ -91,7 +91,7 @@ def _from_hf_config(path: Path, overrides: dict[str, Any]) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from zerotrain.train.config import ModelSection
-    from zerotrain.train.model_checks import check_buildable, check_sizes, unbuildable
+    from zerotrain.train.model_checks import check_buildable, check_override_keys, check_sizes, unbuildable
 
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -99,7 +99,10 @@ def _from_hf_config(path: Path, overrides: dict[str, Any]) -> nn.Module:
             f"{path} holds no config.json: it is not a Hugging Face model directory")
     section = ModelSection(config=str(path), config_overrides=overrides)
     try:
+        check_override_keys(lambda **kw: AutoConfig.from_pretrained(str(file), local_files_only=True, **kw), overrides, section)
         hf_config = AutoConfig.from_pretrained(str(file), local_files_only=True, **overrides)
+    except ConfigError:
+        raise
     except Exception as error:  # noqa: BLE001 - an unreadable or invalid config.json
         raise unbuildable(error, section) from error
     check_sizes(hf_config, section)

@@ -117,8 +117,10 @@ def main_train(argv: Sequence[str]) -> int:
     from zerotrain.config.error_report import print_user_error
     from zerotrain.train.config_files import load_train_config
     from zerotrain.train.metrics import check_sink_packages
+    from zerotrain.train.model import check_model_config
     from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
     from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
+    from zerotrain.train.run_folder import require_checkpoint_to_resume
 
     try:
         config, flags, overrides = split_train_argv(argv)
@@ -127,12 +129,15 @@ def main_train(argv: Sequence[str]) -> int:
             return 0
         cfg = load_train_config(config, overrides)
         check_sink_packages(cfg.logging)  # a missing wandb/tensorboard fails now, before any process starts
+        check_model_config(cfg.model)  # a misspelt architecture or config_overrides key, likewise
         resume = "auto" if flags["resume"] else cfg.training.resume
         run_dir = Path(cfg.output.dir)
         under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks()
         if not under_launcher:
             check_no_live_run(run_dir, own_pid=os.getpid())
         check_can_start(run_dir, resume, flags["overwrite"], config)
+        if flags["resume"] and not under_launcher:
+            require_checkpoint_to_resume(run_dir, config)
         resolve_resume(resume, run_dir)  # a bad training.resume fails now, not after start-up
     except (ValueError, ConfigError) as error:
         print_user_error("zerotrain train", error)

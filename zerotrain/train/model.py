@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from zerotrain.config.errors import ConfigError
-from zerotrain.train.model_checks import check_architecture, check_buildable, check_sizes, unbuildable, unloadable
+from zerotrain.train.model_checks import check_architecture, check_buildable, check_override_keys, check_sizes
+from zerotrain.train.model_checks import unbuildable, unloadable
 
 
 def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) -> nn.Module:
@@ -52,13 +53,20 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
         if not source.exists():
             raise ConfigError(f"model.config: {source} does not exist; give a config.json or a directory holding one")
         try:
+            check_override_keys(lambda **kw: AutoConfig.from_pretrained(
+                source, local_files_only=True, trust_remote_code=remote, **kw), overrides, section)
             hf_config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=remote, **overrides)
+        except ConfigError:
+            raise
         except Exception as error:  # noqa: BLE001 - an unreadable or invalid config.json
             raise unbuildable(error, section) from error
     else:
         check_architecture(section.architecture)
         try:
+            check_override_keys(lambda **kw: AutoConfig.for_model(section.architecture, **kw), overrides, section)
             hf_config = AutoConfig.for_model(section.architecture, **overrides)
+        except ConfigError:
+            raise
         except Exception as error:  # noqa: BLE001 - transformers' config validation raises several types
             raise unbuildable(error, section) from error
     if "vocab_size" not in overrides:
@@ -75,6 +83,33 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
         with Init(config=zero_init):
             return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
     return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
+
+
+def check_model_config(section: Any) -> None:
+    """What can be checked of a `model` section without a tokenizer or weights: the architecture
+    name and the config_overrides keys. Run by `config check` and by `zerotrain train` before any
+    rank starts (the ranks check it again as they build the model)."""
+    from transformers import AutoConfig
+
+    overrides = dict(section.config_overrides or {})
+    if section.path:
+        return
+    if section.config:
+        source = Path(section.config).expanduser()
+        if not source.exists():
+            raise ConfigError(f"model.config: {source} does not exist; give a config.json or a directory holding one")
+        build = lambda **kw: AutoConfig.from_pretrained(  # noqa: E731
+            source, local_files_only=True, trust_remote_code=bool(section.trust_remote_code), **kw)
+    else:
+        check_architecture(section.architecture)
+        build = lambda **kw: AutoConfig.for_model(section.architecture, **kw)  # noqa: E731
+    if overrides:
+        try:
+            check_override_keys(build, overrides, section)
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 - transformers' config validation raises several types
+            raise unbuildable(error, section) from error
 
 
 def max_positions(model: nn.Module) -> int | None:

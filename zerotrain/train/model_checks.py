@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,6 +54,45 @@ def check_architecture(name: str) -> None:
     nearest = difflib.get_close_matches(str(name).lower(), types, n=1, cutoff=0.6)
     hint = f"did you mean {nearest[0]!r}? (model.architecture takes {examples})" if nearest else f"use {examples}"
     raise ConfigError(f"model.architecture: {name!r} is not a model type transformers knows; {hint}")
+
+
+def check_override_keys(build: Callable[..., Any], overrides: dict[str, Any], section: Any) -> None:
+    """ConfigError for a `model.config_overrides` key the model's config does not have.
+
+    transformers stores any keyword it does not know as a new attribute, so a typo
+    (`hiden_size`) used to leave the size it meant at its default and build another model
+    without a word. `build(**kwargs)` makes the config; a key is unknown when the config has no
+    such setting and passing it changes nothing but that new attribute (keys transformers
+    reads and folds in elsewhere, such as `rope_theta`, change more).
+    """
+    import inspect
+
+    base = build()
+    known = set(vars(base)) | set(getattr(base, "attribute_map", {}) or {})
+    for cls in type(base).__mro__:
+        if "__init__" in vars(cls):
+            known |= set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    unknown = []
+    for key in (k for k in overrides if k not in known):
+        changed = build(**{key: overrides[key]})
+        before, after = vars(base), vars(changed)
+        if {k for k in before.keys() | after.keys() if before.get(k, _ABSENT) != after.get(k, _ABSENT)} == {key}:
+            unknown.append(key)
+    if not unknown:
+        return
+    source, _ = config_source(section)
+    names = sorted(k for k in known if not k.startswith("_"))
+    hints = []
+    for key in unknown:
+        nearest = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {nearest[0]!r}?)" if nearest else ""))
+    raise ConfigError(
+        f"model.config_overrides: {', '.join(hints)} {'is' if len(unknown) == 1 else 'are'} not a setting of "
+        f"{type(base).__name__} ({source}); its sizes are {', '.join(k for k in SIZE_KEYS if k in known)}"
+    )
+
+
+_ABSENT = object()
 
 
 def config_source(section: Any) -> tuple[str, str]:

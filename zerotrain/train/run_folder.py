@@ -59,6 +59,23 @@ def check_can_start(run_dir: Path, resume: str, overwrite: bool, config_path: st
         )
 
 
+def require_checkpoint_to_resume(run_dir: Path, config_path: str | None) -> None:
+    """`--resume` continues a run: with no checkpoint to continue from, it is an error, not step 0.
+
+    `training.resume: auto` in the YAML keeps "continue if there is one" (a requeued job's form).
+    """
+    load_dir = run_dir / CHECKPOINTS
+    if (load_dir / LATEST).is_file():
+        return
+    again = f"zerotrain train {config_path}" if config_path else "zerotrain train"
+    found = "does not exist" if not load_dir.exists() else f"has no `{LATEST}` file (no checkpoint was completed)"
+    raise RunFolderError(
+        f"--resume: nothing to resume: {load_dir} {found}. Start the run with `{again}` (no --resume); "
+        "check output.dir if the run is elsewhere; or set training.resume: auto to continue when a "
+        "checkpoint exists and start from step 0 when none does"
+    )
+
+
 def clear_previous_run(run_dir: Path) -> list[str]:
     """Removes an earlier run's outputs (for --overwrite); returns what was removed."""
     removed = []

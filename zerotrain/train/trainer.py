@@ -137,6 +137,11 @@ class Trainer:
         last_eval: dict = {}
         stopped = False
         progress = TrainingProgress(self.rank == 0, self.cfg.logging.progress_bar, self.total_steps, first_step)
+        # Said first: a model of the wrong size (a misread config) shows before any step is spent.
+        unique = {id(p): p for p in self.engine.module.parameters()}.values()
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in unique)  # whole sizes at ZeRO-3
+        progress.note(f"model: {type(self.engine.module).__name__}, {params:,} parameters; {self.world} ranks, "
+                      f"{self.tokens_per_step:,} tokens per step, {self.total_steps} steps")
         tokens_per_s = math.nan
         if t.eval_interval and first_step == 0:
             last_eval = self._evaluate(start)  # the baseline the later evaluations improve on
