@@ -131,3 +131,17 @@ def test_bad_data_stops_the_job_with_its_message_not_a_traceback(tmp_path):
                   check=False)
     assert proc.returncode == 2
     assert "bad.jsonl" in proc.stderr and "line 2" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--master_port", "--master_addr"])
+def test_a_rendezvous_flag_never_changes_how_many_processes_a_local_run_starts(tmp_path, flag):
+    # `--master_port` used to send the run down the multi-node path, whose CPU default was 1 process.
+    from free_ports import free_port
+
+    value = str(free_port()) if flag == "--master_port" else "127.0.0.1"
+    proc = _train(tmp_path, "run", "--training.max_steps", "1", "--training.eval_interval", "0",
+                  "--data.synthetic.num_examples", "400", flag, value, env=device_env("cpu"))
+    assert "zerotrain launch: 2 processes" in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    assert "; 2 ranks," in proc.stdout, proc.stdout[-2000:]
+    if flag == "--master_port":
+        assert f"127.0.0.1:{value}" in proc.stderr + proc.stdout

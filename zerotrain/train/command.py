@@ -33,6 +33,7 @@ TRAIN_USAGE = (
 # `zerotrain launch` flags that `zerotrain train` passes on to the multi-node launcher.
 LAUNCH_FLAGS = ("--hostfile", "--include", "--exclude", "--num_nodes", "--master_addr", "--master_port",
                 "--ssh_port", "--ssh_args", "--launcher")
+RENDEZVOUS_FLAGS = {"master_addr", "master_port"}  # launch flags a run on this machine takes too
 TRAIN_HELP = f"""usage: {TRAIN_USAGE}
 
 Train or fine-tune a Hugging Face causal LM from one YAML file (sections model, data,
@@ -160,15 +161,20 @@ def main_train(argv: Sequence[str]) -> int:
 
     nproc = flags["nproc_per_node"] or visible_gpu_count() or 2
     write_pid(run_dir)
+    given = flags["launch"]
     try:
-        if flags["launch"]:
-            return _train_on_nodes(cfg, run_dir, resume, flags)
+        # Only a flag that names other nodes (or a launcher) leaves this machine: --master_port or
+        # --master_addr alone used to send a local run down the multi-node path, with 1 process on a CPU.
+        if set(given) - RENDEZVOUS_FLAGS:
+            return _train_on_nodes(cfg, run_dir, resume, flags, nproc)
         if nproc == 1:
             return run_in_this_process(cfg, resume)
         merged = cfg.write(run_dir)
         request = LocalLaunch(
             target="zerotrain.train.worker", target_args=(str(merged), "--resume", str(resume)),
             nproc=nproc, module=True, local_rank_arg=False,
+            master_port=int(given["master_port"]) if "master_port" in given else None,
+            **({"master_addr": given["master_addr"]} if "master_addr" in given else {}),
         )
         try:
             code = launch_local(request, Console(stderr=True, soft_wrap=True), quiet_interrupt=True)
@@ -180,8 +186,9 @@ def main_train(argv: Sequence[str]) -> int:
         clear_pid(run_dir)
 
 
-def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict) -> int:
-    """The run on every node of a hostfile (or Slurm allocation), through `zerotrain launch`'s launcher."""
+def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict, local_nproc: int) -> int:
+    """The run on every node of a hostfile (or Slurm allocation), through `zerotrain launch`'s launcher.
+    Without a hostfile the ssh launcher runs here: with as many processes as a local run."""
     import shlex
 
     from zerotrain.launcher.local import LaunchError
@@ -195,7 +202,9 @@ def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict) -> int:
             target="zerotrain.train.worker", target_args=(str(merged), "--resume", str(resume)), module=True,
             local_rank_arg=False, hostfile=given.get("hostfile"), hostfile_given="hostfile" in given,
             include=given.get("include", ""), exclude=given.get("exclude", ""),
-            num_nodes=int(given.get("num_nodes", -1)), num_gpus=flags["nproc_per_node"],
+            num_nodes=int(given.get("num_nodes", -1)),
+            num_gpus=flags["nproc_per_node"] or (
+                local_nproc if "hostfile" not in given and given.get("launcher", "ssh") == "ssh" else None),
             master_addr=given.get("master_addr"),
             master_port=int(given["master_port"]) if "master_port" in given else None,
             launcher=given.get("launcher", "ssh"),
