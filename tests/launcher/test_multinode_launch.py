@@ -197,6 +197,24 @@ def test_dry_run_prints_the_rank_table_and_each_node_command_without_connecting(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("host", ["worker-0", "localhost"])
+def test_dry_run_of_a_one_host_hostfile_runs_nothing_and_another_host_is_not_this_machine(tmp_path, zerotrain_cli, host):
+    # A one-host hostfile used to run the job here, --dry_run or not, whatever host it named.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{host} slots=2\n")
+    marker = tmp_path / "ran"
+    (zerotrain_cli.cwd / "train.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    done = zerotrain_cli("launch", "--hostfile", hostfile, "--dry_run", "train.py")
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists(), "a dry run never runs anything"
+    assert re.search(rf"0\s*│\s*{host}\s*│\s*0,1\s*│\s*0-1", done.stderr), done.stderr
+    if host == "worker-0":  # started there, over ssh, like several hosts
+        assert any(line.startswith("ssh ") and "worker-0" in line for line in done.stdout.splitlines()), done.stdout
+    else:
+        assert "would run train.py on this machine" in done.stderr and "nothing started" in done.stderr
+
+
+@pytest.mark.slow
 def test_elastic_job_goes_on_with_the_first_node_when_the_second_nodes_agent_is_killed(ssh_cluster, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()

@@ -11,10 +11,12 @@ MPI launchers start every rank themselves (mpirun), so they bypass the node agen
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import queue
 import shlex
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -160,10 +162,17 @@ def launch(request: ClusterLaunch, console: Console | None = None) -> int:
             return _launch_here_with_agent(request, local, console)
         return _launch_here(request, local, console)
     nodes = plan_nodes(selection)
-    multi = request.force_multi or len(nodes) > 1 or request.no_ssh or request.launcher in ("slurm",)
+    multi = (request.force_multi or len(nodes) > 1 or request.no_ssh or request.launcher in ("slurm",)
+             or not is_this_machine(nodes[0].host))
     if not multi and request.launcher in ("ssh", "pdsh"):
-        # One node and no --force_multi: run here, on the selected slots, as DeepSpeed does.
+        # One node, this machine, and no --force_multi: run here, on the selected slots, as DeepSpeed
+        # does. A single host that is another machine is started there, over ssh, like several.
         (slots,) = selection.values()
+        if request.dry_run:
+            _print_plan(nodes, f"{local.master_addr}:{local.master_port or DEFAULT_MASTER_PORT}", console)
+            console.print(f"zerotrain launch: would run {local.target} on this machine ({nodes[0].host}), "
+                          f"{len(slots)} processes; nothing started (--dry_run)")
+            return 0
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, slots)))
         return _launch_here(request, dataclasses.replace(local, nproc=len(slots)), console)
     check_target(local)
@@ -190,6 +199,17 @@ def launch(request: ClusterLaunch, console: Console | None = None) -> int:
     return run_sessions(request, jobs, sessions_argv, via_ssh, console)
 
 
+def is_this_machine(host: str) -> bool:
+    """Whether a hostfile's host names this machine: localhost, its host name or a loopback
+    address. Decided without DNS; any other name is another machine, reached over ssh."""
+    if host in ("localhost", socket.gethostname(), socket.gethostname().split(".")[0]):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _launch_here(request: ClusterLaunch, local: LocalLaunch, console: Console) -> int:
     """One machine, the ranks under torch's agent in this process; --env flags apply here too."""
     from zerotrain.launcher.job_environment import parse_env_flags
@@ -200,8 +220,6 @@ def _launch_here(request: ClusterLaunch, local: LocalLaunch, console: Console) -
 
 def _launch_here_with_agent(request: ClusterLaunch, local: LocalLaunch, console: Console) -> int:
     """One machine through a node agent, for what only it offers: hang dumps and per-rank log files."""
-    import socket
-
     from zerotrain.launcher.local import choose_master_port, visible_gpu_count
 
     check_target(local)
