@@ -84,6 +84,22 @@ def test_a_resume_target_that_is_not_a_checkpoint_fails_before_any_step(zerotrai
     assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
 
 
+@pytest.mark.slow
+def test_the_saved_config_resumes_from_any_folder_with_relative_paths_made_absolute(zerotrain_cli, tmp_path):
+    # Relative paths used to stay relative in RUN/config.yaml: the printed resume command failed
+    # (or wrote a stray run) from any other folder.
+    start = zerotrain_cli.cwd
+    common = ["--data.cache_dir", "cache", *FAST, "--training.save_interval", "2"]
+    zerotrain_cli("train", "--output.dir", "runs/rel", *common, "--training.max_steps", "2", check=True)
+    saved = (start / "runs" / "rel" / "config.yaml").read_text()
+    assert f"dir: {start / 'runs' / 'rel'}" in saved and f"cache_dir: {start / 'cache'}" in saved, saved
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    zerotrain_cli("train", start / "runs" / "rel" / "config.yaml", "--resume", "--training.max_steps", "4",
+                  cwd=elsewhere, check=True)
+    assert _latest(start / "runs" / "rel") == "step4" and not (elsewhere / "runs").exists()
+
+
 def test_resume_with_no_checkpoint_fails_before_any_rank_starts_naming_the_folder(zerotrain_cli, tmp_path):
     # It used to start a new run from step 0 and exit 0. Not slow: it ends before any rank starts.
     run = tmp_path / "run"

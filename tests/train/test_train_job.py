@@ -133,7 +133,7 @@ def test_bad_data_stops_the_job_with_its_message_not_a_traceback(tmp_path):
     assert "bad.jsonl" in proc.stderr and "line 2" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("flag", ["--master_port", "--master_addr"])
+@pytest.mark.parametrize("flag", ["--master_port"])  # --master_addr takes the same path
 def test_a_rendezvous_flag_never_changes_how_many_processes_a_local_run_starts(tmp_path, flag):
     # `--master_port` used to send the run down the multi-node path, whose CPU default was 1 process.
     from free_ports import free_port

@@ -303,15 +303,39 @@ class TrainConfig(ConfigSection):
         return validate_zero_section(self.zero, self.source)
 
     def write(self, run_dir: str | os.PathLike) -> Path:
-        """Write the config to ``run_dir/config.yaml``; ``load_train_config`` reads it back unchanged."""
+        """Write the config to ``run_dir/config.yaml``, every path in it absolute (resolved from the
+        folder the run was started in, as it was read), so the file runs from any folder."""
         target = Path(run_dir) / CONFIG_FILE_NAME
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = _WRITTEN_HEADER + yaml.safe_dump(self.as_dict(), sort_keys=False, allow_unicode=True)
+        text = _WRITTEN_HEADER + yaml.safe_dump(absolute_paths(self.as_dict()), sort_keys=False, allow_unicode=True)
         # Ranks may read the file while rank 0 rewrites it: replace it atomically.
         partial = target.with_name(f".{CONFIG_FILE_NAME}.{os.getpid()}.tmp")
         partial.write_text(text, encoding="utf-8")
         partial.replace(target)
         return target
+
+
+# Every key of a train config that holds a path, and the values of each that are not paths.
+PATH_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("model", "path"): (), ("model", "config"): (), ("model", "tokenizer"): ("byte",),
+    ("data", "path"): (), ("data", "eval_path"): (), ("data", "cache_dir"): (),
+    ("training", "resume"): ("auto", "never"), ("logging", "tensorboard", "dir"): (), ("output", "dir"): (),
+    ("zero", "zero_optimization", "offload_optimizer", "nvme_path"): (),
+    ("zero", "zero_optimization", "offload_param", "nvme_path"): (),
+}
+
+
+def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (a config as plain data) with every relative path made absolute from this folder."""
+    data = copy.deepcopy(data)
+    for keys, not_paths in PATH_KEYS.items():
+        holder = data
+        for key in keys[:-1]:
+            holder = holder.get(key) if isinstance(holder, dict) else None
+        value = holder.get(keys[-1]) if isinstance(holder, dict) else None
+        if isinstance(value, str) and value and value not in not_paths:
+            holder[keys[-1]] = os.path.abspath(os.path.expanduser(value))
+    return data
 
 
 # --------------------------------------------------------------------------- #
