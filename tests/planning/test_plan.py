@@ -190,6 +190,25 @@ def test_zerotrain_plan_prints_words_deepspeed_json_and_train_yaml(zerotrain_cli
 
 
 @pytest.mark.slow
+def test_plan_without_cpu_memory_checks_this_machines_and_says_so(zerotrain_cli):
+    # A 70B-sized Llama on one 16 GB GPU: only offloading every state fits the GPU, and that needs
+    # about 1 TiB of host memory. Without --cpu-memory it used to be recommended, exit 0.
+    import os
+
+    big = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+           "num_key_value_heads": 8, "vocab_size": 32000}
+    done = zerotrain_cli("plan", "llama", *_overrides(big), "--gpus", "1", "--gpu-memory", "16GB",
+                         "--global-batch", "8")
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    assert f"CPU memory per node: {machine:.1f} GiB, this machine's" in done.stdout, done.stdout[:2000]
+    assert done.returncode == 1 and "Nothing fits" in done.stdout and "Recommended" not in done.stdout
+    assert "stage 3 + optimizer cpu + params cpu + checkpointing: CPU needs" in done.stdout
+    given = zerotrain_cli("plan", "llama", *_overrides(big), "--gpus", "1", "--gpu-memory", "16GB",
+                          "--global-batch", "8", "--cpu-memory", "2TB")
+    assert given.returncode == 0 and "this machine's" not in given.stdout and "Recommended: stage 3" in given.stdout
+
+
+@pytest.mark.slow
 def test_plan_verify_measures_the_chosen_rung_and_falls_past_an_out_of_memory_one(zerotrain_cli):
     """3 real steps on 2 Gloo ranks: model states measured equal the prediction exactly; an OOM on one
     rank at stage 0 (injected) makes the plan fall to stage 1 and say so, without hanging."""

@@ -53,6 +53,11 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {per_node}")
         if args.gpu_memory is None:
             raise ValueError("--gpu-memory is required: a plan needs to know what fits, e.g. --gpu-memory 80GB")
+        # A plan never recommends what it did not check: without --cpu-memory, this machine's memory
+        # is each node's (a rung offloading 1 TiB to a 64 GiB machine used to come out "fits").
+        assumed_cpu = args.cpu_memory is None and pa.this_machine_memory()
+        if assumed_cpu:
+            args.cpu_memory = assumed_cpu
         model = pa.load_model(args)
         base = pa.base_config(args)
         hardware = pa.hardware(per_node, args.gpus // per_node, args)
@@ -70,6 +75,11 @@ def run_plan(args: argparse.Namespace) -> int:
         print(plan_json(plan, ds_config))
         return 0 if plan.choice else 1
     total, _ = count_parameters(model)
+    if assumed_cpu:
+        from zerotrain.planning.rung_memory import format_bytes
+
+        print(f"CPU memory per node: {format_bytes(assumed_cpu)}, this machine's (no --cpu-memory given; "
+              "set it to plan for other nodes)")
     print(describe_setup(args.model, total, hardware, plan.workload_at_choice() if plan.choice else plan.workload))
     print(format_plan(plan))
     if ds_config is not None:

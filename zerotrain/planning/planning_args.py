@@ -116,6 +116,16 @@ def hardware(gpus_per_node: int, nodes: int, args: argparse.Namespace) -> Hardwa
     return Hardware(gpus_per_node, nodes, args.gpu_memory, args.cpu_memory, args.nvme)
 
 
+def this_machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
