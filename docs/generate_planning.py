@@ -61,7 +61,7 @@ global batch; accumulation makes up the rest.
 
 A rung fits when the GPU total plus a reserve (5% of the GPU, at least 1 GiB: CUDA context, NCCL
 buffers, allocator fragmentation) is within `--gpu-memory`, and the CPU bytes of its node's
-processes within `--cpu-memory`. NVMe bytes are what the shards take on disk. GB and GiB both
+processes within `--cpu-memory` (`plan` without it: this machine's memory, said in its first line). NVMe bytes are what the shards take on disk. GB and GiB both
 mean 2^30 bytes, as devices report memory.
 """
 
