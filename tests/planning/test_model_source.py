@@ -65,12 +65,22 @@ def test_a_train_yaml_estimates_its_model_section(tmp_path):
     assert count_parameters(model) == DEEPSPEED_COUNTS["llama"]
 
 
-def test_an_architecture_without_a_vocabulary_takes_the_trainers_tokenizer():
-    # As `zerotrain train` builds it: the byte-level tokenizer's size unless overrides set one.
+def test_an_architecture_name_is_its_default_model_and_a_train_yaml_takes_the_trainers_tokenizer(tmp_path):
+    # `estimate llama` used to take the byte-level tokenizer's 259 tokens: 6.48B parameters, not
+    # Llama-2-7B's 6.74B. A train YAML's model section is built as `zerotrain train` builds it.
+    from zerotrain.planning.model_source import assumed_sizes
     from zerotrain.train.data import load_tokenizer
 
+    seven_b = load_meta_model("llama")
+    assert count_parameters(seven_b)[0] == 6_738_415_616 and seven_b.config.vocab_size == 32000
+    note = assumed_sizes("llama", seven_b, {})
+    assert "LlamaConfig's defaults for vocab_size 32000, hidden_size 4096" in note
     sizes = {k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"}
-    assert load_meta_model("llama", sizes).config.vocab_size == len(load_tokenizer(None, None))
+    assert load_meta_model("llama", sizes).config.vocab_size == 32000
+    config = tmp_path / "train.yaml"
+    config.write_text(json.dumps({"model": {"architecture": "llama", "config_overrides": sizes}}))
+    assert load_meta_model(config).config.vocab_size == len(load_tokenizer(None, None))
+    assert assumed_sizes(str(config), load_meta_model(config), {}) is None
 
 
 def test_a_missing_path_is_a_clear_error(tmp_path):

@@ -77,6 +77,7 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     from zerotrain.planning import planning_args as pa
     from zerotrain.planning.deepspeed_estimates import zero2_options, zero3_options
     from zerotrain.planning.ladder import ladder
+    from zerotrain.planning.model_source import assumed_sizes, parse_config_overrides
     from zerotrain.planning.plan_report import describe_setup, format_rung_table
     from zerotrain.planning.rung_memory import Workload, estimate_rung
 
@@ -86,7 +87,8 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     workload = Workload(pa.seq_len(args, model), micro, pa.compute_dtype(args, base), args.attention)
     rows = [estimate_rung(model, rung, workload, hardware, base)
             for rung in ladder(allow_nvme=True, checkpointing=args.gradient_checkpointing)]
-    text = describe_setup(args.model, total, hardware, workload) + "\n" + format_rung_table(rows, hardware)
+    assumed = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))
+    text = describe_setup(args.model, total, hardware, workload, assumed) + "\n" + format_rung_table(rows, hardware)
     hw = (args.gpus_per_node, args.nodes, args.additional_buffer_factor)
     data = {
         "model": {"source": args.model, "total_params": total, "largest_layer_params": largest},

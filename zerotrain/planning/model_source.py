@@ -47,8 +47,29 @@ def load_meta_model(source: str | os.PathLike | Mapping[str, Any] | Any,
             return _from_hf_config(path, overrides)
         if os.sep in text or path.exists() or text.startswith("."):
             raise _missing(text)
+        # An architecture name is that architecture's default model, vocabulary included (a train
+        # config's would come from its tokenizer; here there is none: byte-level gave 259 tokens).
+        from transformers import AutoConfig
+
+        from zerotrain.train.model_checks import check_architecture
+
+        check_architecture(text)
+        overrides.setdefault("vocab_size", AutoConfig.for_model(text).vocab_size)
         return _from_section({"architecture": text, "config_overrides": overrides}, {})
     return _from_section(source, overrides)
+
+
+def assumed_sizes(source: str, model: nn.Module, overrides: Mapping[str, Any]) -> str | None:
+    """For an architecture name, the sizes taken from its defaults (the rest were given), in words."""
+    from zerotrain.train.model_checks import SIZE_KEYS
+
+    if os.sep in str(source) or Path(str(source)).suffix or Path(str(source)).exists():
+        return None
+    config = model.config
+    taken = [f"{key} {getattr(config, key)}" for key in SIZE_KEYS
+             if key not in overrides and getattr(config, key, None) is not None]
+    return (f"{source}: {type(config).__name__}'s defaults for {', '.join(taken)} "
+            "(--config-override KEY=VALUE to change them)") if taken else None
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

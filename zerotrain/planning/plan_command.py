@@ -80,7 +80,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
         print(f"CPU memory per node: {format_bytes(assumed_cpu)}, this machine's (no --cpu-memory given; "
               "set it to plan for other nodes)")
-    print(describe_setup(args.model, total, hardware, plan.workload_at_choice() if plan.choice else plan.workload))
+    from zerotrain.planning.model_source import assumed_sizes, parse_config_overrides
+
+    assumed = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))
+    print(describe_setup(args.model, total, hardware, plan.workload_at_choice() if plan.choice else plan.workload,
+                         assumed))
     print(format_plan(plan))
     if ds_config is not None:
         print("DeepSpeed config (ds_config.json):")

@@ -22,12 +22,14 @@ _GPU_COLUMNS = (
 )
 
 
-def describe_setup(source: str, total_params: int, hardware: Hardware, workload: Workload) -> str:
+def describe_setup(source: str, total_params: int, hardware: Hardware, workload: Workload,
+                   assumed: str | None = None) -> str:
+    """The model, the hardware and the workload in two lines (three with the sizes assumed)."""
     gpus = hardware.gpus_per_node
     mem = f" x {format_bytes(hardware.gpu_memory)}" if hardware.gpu_memory else ""
     cpu = f", {format_bytes(hardware.cpu_memory)} CPU per node" if hardware.cpu_memory else ""
     return (
-        f"{source}: {total_params:,} parameters\n"
+        f"{source}: {total_params:,} parameters\n" + (f"{assumed}\n" if assumed else "") +
         f"{hardware.nodes} node{'s' if hardware.nodes > 1 else ''} x {gpus} GPU{'s' if gpus > 1 else ''}{mem}{cpu}; "
         f"seq {workload.seq_len}, micro-batch {workload.micro_batch}, {workload.dtype}, {workload.attention} attention\n"
     )
