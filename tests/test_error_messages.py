@@ -80,6 +80,24 @@ def test_a_misspelt_config_override_is_refused_by_train_config_check_and_estimat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("problem", ["missing data file", "bad jsonl line", "hub id"])
+def test_data_and_model_path_errors_are_said_once_before_any_rank_starts(zerotrain_cli, tmp_path, problem):
+    # They used to appear once per rank, ~12 s in, under a "launch failed" box, leaving a config.yaml.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{not json\n')
+    args, expected = {
+        "missing data file": (["--data.format", "auto", "--data.path", str(tmp_path / "nope.jsonl")],
+                              "data.path: " + str(tmp_path / "nope.jsonl") + " does not exist"),
+        "bad jsonl line": (["--data.format", "auto", "--data.path", str(bad)], "bad.jsonl, line 2: not valid JSON"),
+        "hub id": (["--model.path", "meta-llama/Llama-3.2-1B", "--model.architecture", "null"],
+                   "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir"),
+    }[problem]
+    proc = _train(zerotrain_cli, tmp_path, "run", *args)
+    assert _one_message(proc, expected).count(expected) == 1, "said once, by the launching process"
+    assert "rank 0" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 def test_model_config_that_cannot_build_names_source_and_values(zerotrain_cli, tmp_path):
     proc = _train(zerotrain_cli, tmp_path, "run", "--model.config_overrides.hidden_size", "130")
     message = _one_message(proc, "model.architecture 'llama' with model.config_overrides", "cannot build a model")

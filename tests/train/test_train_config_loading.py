@@ -211,7 +211,10 @@ def test_write_then_load_gives_the_same_config(tmp_path):
     written = cfg.write(tmp_path / "out")
     assert written == tmp_path / "out" / "config.yaml"
     again = load_train_config(written)
-    assert again.as_dict() == cfg.as_dict()
+    from zerotrain.train.config import absolute_paths
+
+    assert again.as_dict() == absolute_paths(cfg.as_dict())  # the same config, its paths absolute
+    assert again.output.dir == str(Path.cwd() / cfg.output.dir)
     assert again.training.grad_clip == 0.5  # adopted from zero while loading, written as such
     assert "inherit" not in yaml.safe_load(written.read_text())
 

@@ -118,6 +118,7 @@ def main_train(argv: Sequence[str]) -> int:
     from zerotrain.config.error_report import print_user_error
     from zerotrain.train.config_files import load_train_config
     from zerotrain.train.metrics import check_sink_packages
+    from zerotrain.train.data.build import check_data_sources
     from zerotrain.train.model import check_model_config
     from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
     from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
@@ -131,6 +132,7 @@ def main_train(argv: Sequence[str]) -> int:
         cfg = load_train_config(config, overrides)
         check_sink_packages(cfg.logging)  # a missing wandb/tensorboard fails now, before any process starts
         check_model_config(cfg.model)  # a misspelt architecture or config_overrides key, likewise
+        check_data_sources(cfg.data)  # a missing file, a bad first record: once, here, not once per rank
         resume = "auto" if flags["resume"] else cfg.training.resume
         run_dir = Path(cfg.output.dir)
         under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks()

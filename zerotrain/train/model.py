@@ -34,11 +34,7 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
     remote = bool(section.trust_remote_code)
     if section.path:
         path = Path(section.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model.path: {path} is not a Hugging Face model directory (no config.json there); "
-                "point it at a directory written by save_pretrained, or use model.config / model.architecture"
-            )
+        check_model_directory(path, str(section.path))
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, trust_remote_code=remote, **_fp32()
@@ -93,6 +89,7 @@ def check_model_config(section: Any) -> None:
 
     overrides = dict(section.config_overrides or {})
     if section.path:
+        check_model_directory(Path(section.path).expanduser(), str(section.path))
         return
     if section.config:
         source = Path(section.config).expanduser()
@@ -110,6 +107,22 @@ def check_model_config(section: Any) -> None:
             raise
         except Exception as error:  # noqa: BLE001 - transformers' config validation raises several types
             raise unbuildable(error, section) from error
+
+
+def check_model_directory(path: Path, given: str) -> None:
+    """ConfigError unless `path` is a local Hugging Face model directory; a Hub id says how to get one."""
+    if (path / "config.json").is_file():
+        return
+    if not path.exists() and given.count("/") == 1 and not given.startswith((".", "/", "~")):
+        raise ConfigError(
+            f"model.path: {given!r} is not a folder here; it looks like a Hugging Face Hub id, and zerotrain "
+            f"never downloads. Get the model first: `huggingface-cli download {given} --local-dir "
+            f"models/{given.split('/')[1]}`, then set model.path to that folder"
+        )
+    raise ConfigError(
+        f"model.path: {path} is not a Hugging Face model directory (no config.json there); "
+        "point it at a directory written by save_pretrained, or use model.config / model.architecture"
+    )
 
 
 def max_positions(model: nn.Module) -> int | None:

@@ -85,6 +85,7 @@ def build_data(data_cfg: Any, tokenizer: Any, *, max_positions: int | None = Non
             f"data.seq_len is {seq_len} but the model has only {max_positions} positions "
             f"(max_position_embeddings). Set data.seq_len to {max_positions} or less."
         )
+    check_data_sources(data_cfg)
     fmt = check_format(_option(data_cfg, "format", "auto"))
     path = _option(data_cfg, "path", None)
     seed = int(_option(data_cfg, "seed", 0))
@@ -96,13 +97,6 @@ def build_data(data_cfg: Any, tokenizer: Any, *, max_positions: int | None = Non
 
     examples: list[SyntheticExample] | None = None
     if fmt == "synthetic" or path is None:
-        if fmt not in ("auto", "synthetic"):
-            raise DataError(f"data.format is {fmt!r} but data.path is not set. Set data.path to the data.")
-        if path is not None:
-            raise DataError(
-                f"data.path is {path!r} but data.format is 'synthetic' (the generated task): set data.format "
-                "to auto (or text/jsonl/parquet/arrow) to train on the file, or remove data.path"
-            )
         syn = _option(data_cfg, "synthetic", None)
         task = _option(syn, "task", "arithmetic")
         num, syn_seed = int(_option(syn, "num_examples", 20000)), int(_option(syn, "seed", 0))
@@ -146,6 +140,30 @@ def build_data(data_cfg: Any, tokenizer: Any, *, max_positions: int | None = Non
         log.info("data: %s -> %s", source_desc, summary)
     return TrainData(train=train, eval=evaluation, tokens_per_sample=seq_len, seed=seed, rank=rank,
                      world_size=world_size, eval_examples=eval_examples, summary=summary)
+
+
+def check_data_sources(data_cfg: Any, records: int = 3) -> None:
+    """DataError for what can be checked of the data before any rank starts: the format and path
+    agree, every file exists, and the first `records` records of the first file read as
+    configured (fields, JSON, UTF-8). `zerotrain train` runs it in the launching process."""
+    fmt = check_format(_option(data_cfg, "format", "auto"))
+    path = _option(data_cfg, "path", None)
+    if fmt == "synthetic" or path is None:
+        if fmt not in ("auto", "synthetic"):
+            raise DataError(f"data.format is {fmt!r} but data.path is not set. Set data.path to the data.")
+        if path is not None:
+            raise DataError(
+                f"data.path is {path!r} but data.format is 'synthetic' (the generated task): set data.format "
+                "to auto (or text/jsonl/parquet/arrow) to train on the file, or remove data.path"
+            )
+    fields = Fields.from_config(data_cfg)
+    eval_path = _option(data_cfg, "eval_path", None)
+    for key, where, how in (("data.path", path, fmt), ("data.eval_path", eval_path, "auto" if fmt == "synthetic" else fmt)):
+        if where is None or how == "synthetic":
+            continue
+        sources = resolve_sources(where, how, key)
+        for _ in zip(range(records), read_documents(sources[:1], fields)):
+            pass
 
 
 def _file_corpus(path: Any, fmt: str, fields: Fields, key: str, common: dict[str, Any]) -> TokenizedCorpus:
