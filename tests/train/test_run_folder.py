@@ -199,3 +199,23 @@ def test_detach_of_a_run_that_dies_at_start_shows_its_error_and_fails(zerotrain_
     assert proc.returncode != 0
     assert "started in the background" not in proc.stdout
     assert str(run / "train.log") in proc.stderr and "num_attention_heads" in proc.stderr
+
+
+def test_printed_commands_are_shell_quoted_for_a_run_folder_with_a_space(tmp_path):
+    # Pasted as printed, each used to split at the space.
+    import re
+    import shlex
+
+    from zerotrain.train.run_folder import RunFolderError, check_can_start, require_checkpoint_to_resume
+
+    run = tmp_path / "my run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("step\n1\n")
+    config = str(run / "config.yaml")
+    with pytest.raises(RunFolderError) as refused:
+        check_can_start(run, "never", False, config)
+    with pytest.raises(RunFolderError) as nothing:
+        require_checkpoint_to_resume(run, config)
+    for message in (str(refused.value), str(nothing.value)):
+        commands = re.findall(r"`(zerotrain train [^`]*)`", message)
+        assert commands and all(shlex.split(c)[:3] == ["zerotrain", "train", config] for c in commands), message

@@ -95,6 +95,9 @@ def _run(argv: list[str]) -> int:
 
         return main_train(argv[1:])
     parser = build_parser()
+    if not argv:  # as git and cargo do: the commands, not an error
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     return int(args.handler(args))
 

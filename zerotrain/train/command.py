@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -241,8 +242,8 @@ def _detach(run_dir: Path, argv: list[str]) -> int:
         f"{'started' if started else 'still starting'} in the background (pid {child.pid}); "
         "it keeps running if this terminal closes\n"
         f"  log:    {escape(str(log))}\n"
-        f"  follow: zerotrain logs {escape(str(run_dir))} -f\n"
-        f"  stop:   zerotrain stop {escape(str(run_dir))}   (checkpoints first)"
+        f"  follow: zerotrain logs {escape(shlex.quote(str(run_dir)))} -f\n"
+        f"  stop:   zerotrain stop {escape(shlex.quote(str(run_dir)))}   (checkpoints first)"
     )
     return 0
 
@@ -275,7 +276,7 @@ def run_in_this_process(cfg, resume: str) -> int:
         if trainer.rank == 0:
             Console(soft_wrap=True).print(
                 f"stopped at step {summary['steps']} ({summary['stopped_by']}); checkpoint saved; resume with: "
-                f"zerotrain train {escape(str(Path(cfg.output.dir) / 'config.yaml'))} --resume"
+                f"zerotrain train {escape(shlex.quote(str(Path(cfg.output.dir) / 'config.yaml')))} --resume"
             )
         return INTERRUPTED_EXIT_CODE
     if trainer.rank == 0:
@@ -348,7 +349,7 @@ def run_stop(args: argparse.Namespace) -> int:
         console.print(f"[yellow]zerotrain stop: the run has not exited after {args.wait:g} s; it will stop "
                       "after its current step and checkpoint (check with zerotrain logs)[/]")
         return 1
-    console.print(f"stopped; resume with: zerotrain train {escape(str(run_dir / 'config.yaml'))} --resume")
+    console.print(f"stopped; resume with: zerotrain train {escape(shlex.quote(str(run_dir / 'config.yaml')))} --resume")
     return 0
 
 

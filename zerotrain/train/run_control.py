@@ -15,6 +15,7 @@ train.log; no tmux or nohup needed.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -86,8 +87,8 @@ def detach(run_dir: Path, train_argv: Sequence[str]) -> subprocess.Popen:
     active = running_pid(run_dir)
     if active is not None:
         raise RunControlError(
-            f"a run is already active in {run_dir} (pid {active}); follow it with `zerotrain logs {run_dir} -f`, "
-            f"stop it with `zerotrain stop {run_dir}`, or set another output.dir"
+            f"a run is already active in {run_dir} (pid {active}); follow it with `zerotrain logs {shlex.quote(str(run_dir))} -f`, "
+            f"stop it with `zerotrain stop {shlex.quote(str(run_dir))}`, or set another output.dir"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / STOP_NAME).unlink(missing_ok=True)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,8 @@ def check_no_live_run(run_dir: Path, own_pid: int | None = None) -> None:
     pid = running_pid(run_dir)
     if pid is not None and pid != own_pid:
         raise RunFolderError(
-            f"a run is already active in {run_dir} (pid {pid}); stop it first with `zerotrain stop {run_dir}`, "
-            f"follow it with `zerotrain logs {run_dir} -f`, or set another --output.dir"
+            f"a run is already active in {run_dir} (pid {pid}); stop it first with `zerotrain stop {shlex.quote(str(run_dir))}`, "
+            f"follow it with `zerotrain logs {shlex.quote(str(run_dir))} -f`, or set another --output.dir"
         )
 
 
@@ -51,7 +52,7 @@ def check_can_start(run_dir: Path, resume: str, overwrite: bool, config_path: st
     if overwrite and resume != "never":
         raise RunFolderError("--overwrite starts the run again from step 0, --resume continues it: choose one")
     if resume == "never" and not overwrite and holds_a_run(run_dir):
-        again = f"zerotrain train {config_path}" if config_path else "zerotrain train"
+        again = f"zerotrain train {shlex.quote(str(config_path))}" if config_path else "zerotrain train"
         raise RunFolderError(
             f"{run_dir} already holds a run (checkpoints or metrics.csv); training into it again would overwrite "
             f"them. Continue it with `{again} --resume`, start it again with `{again} --overwrite` (deletes its "
@@ -67,7 +68,7 @@ def require_checkpoint_to_resume(run_dir: Path, config_path: str | None) -> None
     load_dir = run_dir / CHECKPOINTS
     if (load_dir / LATEST).is_file():
         return
-    again = f"zerotrain train {config_path}" if config_path else "zerotrain train"
+    again = f"zerotrain train {shlex.quote(str(config_path))}" if config_path else "zerotrain train"
     found = "does not exist" if not load_dir.exists() else f"has no `{LATEST}` file (no checkpoint was completed)"
     raise RunFolderError(
         f"--resume: nothing to resume: {load_dir} {found}. Start the run with `{again}` (no --resume); "
