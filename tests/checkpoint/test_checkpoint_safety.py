@@ -199,3 +199,18 @@ def test_checkpoint_files_get_the_usual_file_mode(saved):
     assert files and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o666 & ~umask)}
     # the converter script, as DeepSpeed's, can be run directly: ./zero_to_fp32.py . out
     assert oct((root / "zero_to_fp32.py").stat().st_mode & 0o777) == oct(0o777 & ~umask)
+
+
+def test_the_tags_listed_for_a_missing_tag_are_checkpoints_only_in_step_order(saved):
+    # They used to be every folder (the HF export `hf` too), in name order (step10 before step9).
+    import shutil
+
+    root, tag_dir = saved
+    for step in (9, 10):
+        shutil.copytree(tag_dir, root / f"step{step}")
+        meta = json.loads((root / f"step{step}" / "meta.json").read_text())
+        meta["counters"]["global_steps"] = step
+        (root / f"step{step}" / "meta.json").write_text(json.dumps(meta))
+    (root / "hf").mkdir()
+    with pytest.raises(CheckpointError, match=r"available: global_step1, step9, step10\)"):
+        _engine(world=1).load_checkpoint(root, tag="global_step99")

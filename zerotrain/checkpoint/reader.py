@@ -35,9 +35,16 @@ def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
         parked = sorted(root.glob(f".old-{tag}-*"))
         if parked:
             return parked[-1]
-        available = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        available = checkpoint_tags(root)
         raise CheckpointError(f"no checkpoint tag {tag!r} in {root} (available: {', '.join(available) or 'none'})")
     return tag_dir
+
+
+def checkpoint_tags(root: Path) -> list[str]:
+    """The checkpoint tags in `root` (folders with a meta.json), oldest step first: not the
+    `hf` export or a tag's `.old-*` copy, and `step10` after `step9`."""
+    tags = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META).is_file()]
+    return [p.name for p in sorted(tags, key=lambda p: (_saved_step(p) is None, _saved_step(p) or 0, p.name))]
 
 
 class CheckpointReader:

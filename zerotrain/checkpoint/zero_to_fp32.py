@@ -42,7 +42,7 @@ from zerotrain.checkpoint.consolidate import (
 )
 from zerotrain.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from zerotrain.checkpoint.layout import LATEST, META
-from zerotrain.checkpoint.reader import CheckpointReader
+from zerotrain.checkpoint.reader import CheckpointReader, checkpoint_tags
 
 log = logging.getLogger("zerotrain")
 
@@ -88,7 +88,7 @@ def open_zero_checkpoint(
 
 
 def _nothing_found_message(root: Path) -> str:
-    tags = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / META).is_file())
+    tags = checkpoint_tags(root)
     if tags:
         return (
             f"no `{LATEST}` file in {root} to name the checkpoint to convert; "
