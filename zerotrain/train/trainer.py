@@ -379,11 +379,11 @@ def _num(value: Any) -> float:
 
 def _describe(row: dict, memory: str, fp16: bool) -> str:
     parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3g}",
-             f"grad norm {row['grad_norm']:.3g}", f"{row['tokens_per_s']:,.0f} tok/s",
-             f"{row['samples_per_s']:.1f} samples/s"]
+             f"grad norm {row['grad_norm']:.3g}", f"{row['tokens_per_s']:,.0f} tok/s total",
+             f"{row['samples_per_s']:.1f} samples/s total"]
     if fp16:
         parts.append(f"scale {row['loss_scale']:g} skipped {row['skipped_steps']}")
     if not math.isnan(row["tflops"]):
-        parts.append(f"{row['tflops']:.2f} TFLOP/s" + (f" MFU {row['mfu']:.1%}" if not math.isnan(row["mfu"]) else ""))
+        parts.append(f"{row['tflops']:.2f} TFLOP/s per rank" + (f" MFU {row['mfu']:.1%}" if not math.isnan(row["mfu"]) else ""))
     parts.append(f"mem {memory}")
     return " | ".join(parts)
