@@ -169,6 +169,7 @@ def test_run_output_off_a_terminal_has_whole_lines_and_no_bar(stage3_run):
     assert len(metrics_lines) == 1, output[-3000:]
     line = metrics_lines[0]
     assert len(line) > 80 and "| mem r0 model states" in line and "; r1 model states" in line, line
+    assert "tok/s total |" in line and "samples/s total |" in line and "TFLOP/s per rank" in line, line
     assert not any(c in output for c in BAR_CHARACTERS), output[-3000:]
     assert "tokenizing synthetic arithmetic" in proc.stderr and "tokenized synthetic arithmetic" in proc.stderr
     # The model's size is said before the first step, counted whole although ZeRO-3 shards it.
