@@ -82,8 +82,13 @@ def test_parse_overrides_reads_json_values_where_they_parse():
         parse_overrides(["no_equals_sign"])
 
 
-def test_config_check_prints_the_resolved_config(capsys):
-    code = main(["config", "check", str(GOOD_CONFIG), "--world-size", "4", *GOOD_CONFIG_SETS])
+def test_config_check_says_valid_in_one_line_and_show_prints_the_resolved_config(capsys):
+    # It used to print ~150 lines of resolved JSON, the verdict left to the exit status.
+    assert main(["config", "check", str(GOOD_CONFIG), "--world-size", "4", *GOOD_CONFIG_SETS]) == 0
+    verdict = capsys.readouterr().out
+    assert verdict.count("\n") == 1 and f"{GOOD_CONFIG}: valid DeepSpeed config for 4 ranks: ZeRO stage 2" in verdict
+    assert "train batch 8 = micro-batch 2 x 1 accumulation x 4" in verdict and "--show" in verdict
+    code = main(["config", "check", str(GOOD_CONFIG), "--world-size", "4", *GOOD_CONFIG_SETS, "--show"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     resolved = json.loads(captured.out)  # the printed config is valid JSON
@@ -94,7 +99,7 @@ def test_config_check_prints_the_resolved_config(capsys):
 
 
 def test_config_check_says_when_set_had_no_effect(capsys):
-    code = main(["config", "check", str(GOOD_CONFIG), *GOOD_CONFIG_SETS, "--set", "optimizer.params.lr=1e-3"])
+    code = main(["config", "check", str(GOOD_CONFIG), *GOOD_CONFIG_SETS, "--set", "optimizer.params.lr=1e-3", "--show"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "--set optimizer.params.lr had no effect" in captured.err

@@ -281,7 +281,10 @@ def test_config_check_prints_a_train_yaml_merged_and_validated(zerotrain_cli, tm
     (tmp_path / "base.yaml").write_text("model: {architecture: llama}\ntraining: {lr: 1.0e-3}\n")
     config = tmp_path / "run.yaml"
     config.write_text("inherit: [base.yaml]\ntraining: {micro_batch_size: 2}\n")
-    proc = zerotrain_cli("config", "check", config, "--set", "training.max_steps=7", check=True)
+    verdict = zerotrain_cli("config", "check", config, "--set", "training.max_steps=7", check=True).stdout
+    assert verdict == f"{config}: valid zerotrain train config: architecture llama, synthetic arithmetic data, " \
+        "ZeRO stage 2, 7 steps, output runs/train (--show prints it with every default filled in)\n"
+    proc = zerotrain_cli("config", "check", config, "--set", "training.max_steps=7", "--show", check=True)
     merged = yaml.safe_load(proc.stdout)
     assert merged["model"]["architecture"] == "llama"
     assert merged["training"]["lr"] == 1e-3 and merged["training"]["micro_batch_size"] == 2

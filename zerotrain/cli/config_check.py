@@ -1,4 +1,5 @@
-"""`zerotrain config check`: validate a config and print it with every value resolved.
+"""`zerotrain config check`: validate a config; a one-line verdict, or with --show the whole
+config with every value resolved.
 
 A DeepSpeed config (JSON with comments, or YAML) has its "auto" values resolved for a world
 size (``--set`` fills the ones that need a model or data).  A `zerotrain train` YAML (top-level
@@ -69,9 +70,29 @@ def run_config_check(args: argparse.Namespace) -> int:
             console.print(
                 f"[yellow]--set {escape(key)} had no effect: only values the config sets to \"auto\" are filled[/]"
             )
+    if not args.show:
+        print(_deepspeed_verdict(args.path, resolved, args.world_size))
+        return 0
     # soft_wrap: long strings must not be folded, so the output stays valid JSON.
     Console().print(JSON.from_data(resolved), soft_wrap=True)
     return 0
+
+
+def _deepspeed_verdict(path: str, resolved: dict, world_size: int) -> str:
+    """One line: valid, and the settings a reader checks first."""
+    zero = resolved.get("zero_optimization") or {}
+    dtype = next((d for d in ("bf16", "fp16") if (resolved.get(d) or {}).get("enabled")), "fp32")
+    offload = [f"{what} to {section.get('device')}" for what, section in
+               (("optimizer", zero.get("offload_optimizer") or {}), ("parameters", zero.get("offload_param") or {}))
+               if section.get("device") not in (None, "none")]
+    optimizer = (resolved.get("optimizer") or {}).get("type")
+    return (
+        f"{path}: valid DeepSpeed config for {world_size} rank{'s' if world_size != 1 else ''}: ZeRO stage "
+        f"{zero.get('stage', 0)}, {dtype}, train batch {resolved.get('train_batch_size')} = micro-batch "
+        f"{resolved.get('train_micro_batch_size_per_gpu')} x {resolved.get('gradient_accumulation_steps')} "
+        f"accumulation x {world_size}" + (f", offload {' and '.join(offload)}" if offload else "")
+        + (f", optimizer {optimizer}" if optimizer else "") + " (--show prints it resolved)"
+    )
 
 
 def is_train_config(path: str | os.PathLike) -> bool:
@@ -111,7 +132,17 @@ def _check_train_config(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError(f"{args.path}:\n" + "\n".join(f"  {p}" for p in problems))
     for note in cfg.notes:
         console.print(f"[dim]{escape(note)}[/]")
-    print(yaml.safe_dump(cfg.as_dict(), sort_keys=False, allow_unicode=True), end="")
+    if args.show:
+        print(yaml.safe_dump(cfg.as_dict(), sort_keys=False, allow_unicode=True), end="")
+        return 0
+    model = cfg.model
+    source = (f"model.path {model.path}" if model.path else f"model.config {model.config}" if model.config
+              else f"architecture {model.architecture}")
+    data = f"data {cfg.data.path}" if cfg.data.path else f"synthetic {cfg.data.synthetic.task} data"
+    length = (f"{cfg.training.max_steps} steps" if cfg.training.max_steps else f"{cfg.training.epochs:g} epochs")
+    stage = (cfg.zero.get("zero_optimization") or {}).get("stage", 0) if isinstance(cfg.zero, dict) else 0
+    print(f"{args.path}: valid zerotrain train config: {source}, {data}, ZeRO stage {stage}, {length}, "
+          f"output {cfg.output.dir} (--show prints it with every default filled in)")
     return 0
 
 
@@ -142,6 +173,8 @@ def add_config_parser(subparsers: argparse._SubParsersAction) -> None:
         "Exits 2 with the reason when the config is invalid.",
     )
     check.add_argument("path", metavar="PATH", help="the config file")
+    check.add_argument("--show", action="store_true",
+                       help="print the whole config, every value resolved (default: a one-line verdict)")
     check.add_argument(
         "--world-size",
         "--world_size",
