@@ -258,3 +258,16 @@ def test_corrupt_shard_names_the_previous_tag_with_this_same_command(tmp_path):
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert shard_file(1) in run.stderr
     assert "python zero_to_fp32.py . out --tag global_step1 --safe_serialization" in run.stderr
+
+
+def test_the_script_under_a_python_without_zerotrain_names_the_python_that_trained(tmp_path):
+    # It used to say `pip install zerotrain`, which installs nothing of ours.
+    import shlex
+
+    path = write_zero_to_fp32_script(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # -I: isolated, so this venv's site-packages (and zerotrain) are out of reach
+    done = subprocess.run([sys.executable, "-I", "-S", str(path), ".", "out"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "cannot import zerotrain" in done.stderr, done.stderr
+    assert f"{shlex.quote(sys.executable)} zero_to_fp32.py" in done.stderr and "pip install zerotrain" not in done.stderr

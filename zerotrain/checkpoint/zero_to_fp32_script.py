@@ -8,6 +8,8 @@ to zerotrain.checkpoint.zero_to_fp32.main, so it never goes stale against the fo
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from zerotrain.checkpoint.file_mode import default_file_mode
@@ -27,13 +29,16 @@ Written here by zerotrain when it saved a checkpoint; the work is done by zerotr
 
 import sys
 
+TRAINED_WITH = __TRAINED_WITH__  # the Python that wrote these checkpoints
+
 try:
     from zerotrain.checkpoint.zero_to_fp32 import main
 except ImportError as error:
     sys.exit(
         "zero_to_fp32.py: error: this Python cannot import zerotrain, which wrote these checkpoints "
-        f"and reads them ({error}). Install it (pip install zerotrain) or run this with the Python "
-        "of the environment that trained the model."
+        f"and reads them ({error}). Run this with the Python that trained the model: {TRAINED_WITH} "
+        "zero_to_fp32.py ... , or install zerotrain into this environment the way it was installed "
+        "there (from a checkout: pip install -e <checkout>)."
     )
 
 if __name__ == "__main__":
@@ -46,7 +51,8 @@ def write_zero_to_fp32_script(save_dir: str | os.PathLike) -> Path:
     path = Path(save_dir) / SCRIPT_NAME
     temp = path.with_name(f".{SCRIPT_NAME}.tmp-{os.getpid()}")
     try:
-        temp.write_text(SCRIPT_TEXT)
+        # This interpreter, shell-quoted for pasting, as a Python literal (repr) in the script.
+        temp.write_text(SCRIPT_TEXT.replace("__TRAINED_WITH__", repr(shlex.quote(sys.executable)), 1))
         mode = default_file_mode()
         os.chmod(temp, mode | (mode & 0o444) >> 2)  # executable by whoever may read it (0o755 under umask 022)
         os.replace(temp, path)
