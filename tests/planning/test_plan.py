@@ -245,3 +245,25 @@ def test_a_train_yaml_gives_the_model_sequence_length_and_micro_batch(zerotrain_
     done = zerotrain_cli("estimate", "run.yaml", "--json", check=True)  # a fresh process: no import-order luck
     workload = json.loads(done.stdout)["workload"]
     assert (workload["seq_len"], workload["micro_batch"]) == (96, 3)
+
+
+def _rendezvous_port() -> str:
+    import os
+
+    return os.environ["MASTER_PORT"]
+
+
+@pytest.mark.slow
+def test_plan_verify_and_tune_take_master_port_for_their_ranks():
+    # `launch` and `train` took --master_port and these did not (a cluster's firewall allows one port).
+    from free_ports import free_port
+
+    from zerotrain.cli.main import build_parser
+    from zerotrain.planning.local_job import run_local_job
+
+    port = free_port()
+    assert run_local_job(_rendezvous_port, 2, master_port=port) == {0: str(port), 1: str(port)}
+    parser = build_parser()
+    for argv in (["plan", "llama", "--gpus", "1", "--global-batch", "1", "--verify", "--master_port", str(port)],
+                 ["tune", "run.yaml", "--master-port", str(port)]):
+        assert parser.parse_args(argv).master_port == port

@@ -38,6 +38,8 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--min-trial-seconds", type=float, default=1.0, metavar="SECONDS",
                         help="time each trial's profiled steps, repeated, for at least this long (default 1)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--master_port", "--master-port", type=positive_int, default=None, metavar="PORT",
+                        help="the ranks' rendezvous port (default: a free one)")
     parser.set_defaults(handler=run_tune)
 
 
@@ -90,7 +92,8 @@ def run_tune(args: argparse.Namespace) -> int:
     }
     print(f"zerotrain tune: {len(exps)} candidates on {world} rank{'s' if world > 1 else ''} "
           f"({len(pruned)} pruned by the memory model), metric {tuning.metric}", flush=True)
-    records = run_local_job(run_trials, world, job, name="zerotrain-tune", rank0_to_console=True)[0]
+    records = run_local_job(run_trials, world, job, name="zerotrain-tune", rank0_to_console=True,
+                            master_port=args.master_port)[0]
     pruned_rows = [{"name": p.name, "reason": p.reason} for p in pruned]
     best = write_results(Path(tuning.results_dir), Path(tuning.exps_dir), exps, records, pruned_rows,
                          tuning.metric, tuning.overwrite)

@@ -16,21 +16,27 @@ from typing import Any, Callable
 
 
 def run_local_job(fn: Callable[..., Any], nprocs: int, *args: Any, name: str = "zerotrain",
-                  rank0_to_console: bool = False) -> dict[int, Any]:
+                  rank0_to_console: bool = False, master_port: int | None = None) -> dict[int, Any]:
     """Runs `fn(*args)` on `nprocs` ranks (Gloo without GPUs, NCCL with); {rank: return value}.
 
     `rank0_to_console`: rank 0's output is shown (progress), the other ranks' kept in files.
+    `master_port`: the rendezvous port (`--master_port`, as `launch` and `train` take it);
+    unset: a free one.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = master_port
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    # One machine: the static rendezvous, as `zerotrain launch` (torchrun) uses, so the ranks'
+    # MASTER_PORT is this port and no other is opened.
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"{name}-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", rdzv_configs={"is_host": True},
+        rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn", rdzv_configs={"rank": 0},
     )
     # A failed rank is reported by the command, not as the launcher's stack dumps.
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]

@@ -34,6 +34,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="run 3 real steps of the chosen config on this machine's devices (synthetic data) "
                         "and compare measured with predicted memory; falls to the next rung if it does not fit")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--master_port", "--master-port", type=pa.positive_int, default=None, metavar="PORT",
+                        help="with --verify: the ranks' rendezvous port (default: a free one)")
     parser.set_defaults(handler=run_plan)
 
 

@@ -39,7 +39,7 @@ def verify_plan(plan: Plan, model, args: argparse.Namespace, base: dict | None) 
     notes: list[str] = []
     records: list[dict] = []
     while plan.choice is not None:
-        measured = _run(plan, model, base)
+        measured = _run(plan, model, base, getattr(args, "master_port", None))
         predicted = plan.choice.gpu_total
         peak = measured.get("peak_allocated")
         fits = not measured["oom"] and (peak is None or peak + plan.choice.gpu_reserve <= hardware.gpu_memory)
@@ -85,7 +85,7 @@ def _describe(plan: Plan, m: dict, predicted: int, fits: bool) -> str:
     return f"verify {rung} ({STEPS} steps): " + ", ".join(parts) + f" — {verdict}"
 
 
-def _run(plan: Plan, model, base: dict | None) -> dict:
+def _run(plan: Plan, model, base: dict | None, master_port: int | None = None) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from zerotrain.planning.local_job import run_local_job
@@ -97,7 +97,8 @@ def _run(plan: Plan, model, base: dict | None) -> dict:
         # left waiting in a collective for it.
         results = run_local_job(_worker, plan.hardware.world_size, model.config.to_dict(), ds, work.seq_len,
                                 work.micro_batch, plan.accumulation, work.attention,
-                                plan.choice.rung.gradient_checkpointing, name="zerotrain-verify")
+                                plan.choice.rung.gradient_checkpointing, name="zerotrain-verify",
+                                master_port=master_port)
     except ChildFailedError as error:
         oom = sorted(rank for rank, f in error.failures.items() if _is_oom(f.message))
         if oom:
