@@ -140,7 +140,7 @@ def _check_train_config(args: argparse.Namespace, console: Console) -> int:
               else f"architecture {model.architecture}")
     data = f"data {cfg.data.path}" if cfg.data.path else f"synthetic {cfg.data.synthetic.task} data"
     length = (f"{cfg.training.max_steps} steps" if cfg.training.max_steps else f"{cfg.training.epochs:g} epochs")
-    stage = (cfg.zero.get("zero_optimization") or {}).get("stage", 0) if isinstance(cfg.zero, dict) else 0
+    stage = (cfg.zero.get("zero_optimization") or {}).get("stage", 0)
     print(f"{args.path}: valid zerotrain train config: {source}, {data}, ZeRO stage {stage}, {length}, "
           f"output {cfg.output.dir} (--show prints it with every default filled in)")
     return 0

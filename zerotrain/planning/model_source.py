@@ -109,23 +109,18 @@ def _from_train_yaml(path: Path, overrides: dict[str, Any]) -> nn.Module:
 
 def _from_hf_config(path: Path, overrides: dict[str, Any]) -> nn.Module:
     """A directory's (or a file's) config.json as written: its own vocabulary, no weights read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from zerotrain.train.config import ModelSection
-    from zerotrain.train.model_checks import check_buildable, check_override_keys, check_sizes, unbuildable
+    from zerotrain.train.model import hf_config_of
+    from zerotrain.train.model_checks import check_buildable, check_sizes
 
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise _missing(file) if not path.is_dir() else ConfigError(
             f"{path} holds no config.json: it is not a Hugging Face model directory")
     section = ModelSection(config=str(path), config_overrides=overrides)
-    try:
-        check_override_keys(lambda **kw: AutoConfig.from_pretrained(str(file), local_files_only=True, **kw), overrides, section)
-        hf_config = AutoConfig.from_pretrained(str(file), local_files_only=True, **overrides)
-    except ConfigError:
-        raise
-    except Exception as error:  # noqa: BLE001 - an unreadable or invalid config.json
-        raise unbuildable(error, section) from error
+    hf_config = hf_config_of(section)
     check_sizes(hf_config, section)
     check_buildable(hf_config, section)
     with torch.device("meta"):

@@ -13,7 +13,7 @@ overrides set one. `trust_remote_code` is off unless the section turns it on.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
     `zero_init`: a DeepSpeed config; when given (ZeRO stage 3) a model built from a config is
     constructed under `zerotrain.zero.Init`, so no rank ever holds it whole.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     remote = bool(section.trust_remote_code)
     if section.path:
@@ -44,27 +44,7 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
         _check_vocab(model.config, tokenizer, "model.path")
         return model
     overrides = dict(section.config_overrides or {})
-    if section.config:
-        source = Path(section.config).expanduser()
-        if not source.exists():
-            raise ConfigError(f"model.config: {source} does not exist; give a config.json or a directory holding one")
-        try:
-            check_override_keys(lambda **kw: AutoConfig.from_pretrained(
-                source, local_files_only=True, trust_remote_code=remote, **kw), overrides, section)
-            hf_config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=remote, **overrides)
-        except ConfigError:
-            raise
-        except Exception as error:  # noqa: BLE001 - an unreadable or invalid config.json
-            raise unbuildable(error, section) from error
-    else:
-        check_architecture(section.architecture)
-        try:
-            check_override_keys(lambda **kw: AutoConfig.for_model(section.architecture, **kw), overrides, section)
-            hf_config = AutoConfig.for_model(section.architecture, **overrides)
-        except ConfigError:
-            raise
-        except Exception as error:  # noqa: BLE001 - transformers' config validation raises several types
-            raise unbuildable(error, section) from error
+    hf_config = hf_config_of(section)
     if "vocab_size" not in overrides:
         hf_config.vocab_size = len(tokenizer)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -81,32 +61,48 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
     return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
 
 
+def hf_config_of(section: Any) -> Any:
+    """The Hugging Face config a `model` section builds from (`config` or `architecture`), with its
+    config_overrides applied; ConfigError naming the source for a bad key or value."""
+    build = _config_builder(section)
+    try:
+        check_override_keys(build, dict(section.config_overrides or {}), section)
+        return build(**dict(section.config_overrides or {}))
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - transformers' config validation raises several types
+        raise unbuildable(error, section) from error
+
+
 def check_model_config(section: Any) -> None:
     """What can be checked of a `model` section without a tokenizer or weights: the architecture
     name and the config_overrides keys. Run by `config check` and by `zerotrain train` before any
     rank starts (the ranks check it again as they build the model)."""
-    from transformers import AutoConfig
-
-    overrides = dict(section.config_overrides or {})
     if section.path:
         check_model_directory(Path(section.path).expanduser(), str(section.path))
         return
-    if section.config:
-        source = Path(section.config).expanduser()
-        if not source.exists():
-            raise ConfigError(f"model.config: {source} does not exist; give a config.json or a directory holding one")
-        build = lambda **kw: AutoConfig.from_pretrained(  # noqa: E731
-            source, local_files_only=True, trust_remote_code=bool(section.trust_remote_code), **kw)
-    else:
-        check_architecture(section.architecture)
-        build = lambda **kw: AutoConfig.for_model(section.architecture, **kw)  # noqa: E731
-    if overrides:
+    build = _config_builder(section)
+    if section.config_overrides:
         try:
-            check_override_keys(build, overrides, section)
+            check_override_keys(build, dict(section.config_overrides), section)
         except ConfigError:
             raise
         except Exception as error:  # noqa: BLE001 - transformers' config validation raises several types
             raise unbuildable(error, section) from error
+
+
+def _config_builder(section: Any) -> Callable[..., Any]:
+    """`build(**overrides)` -> the section's Hugging Face config, once its source is checked."""
+    from transformers import AutoConfig
+
+    remote = bool(section.trust_remote_code)
+    if section.config:
+        source = Path(section.config).expanduser()
+        if not source.exists():
+            raise ConfigError(f"model.config: {source} does not exist; give a config.json or a directory holding one")
+        return lambda **kw: AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=remote, **kw)
+    check_architecture(section.architecture)
+    return lambda **kw: AutoConfig.for_model(section.architecture, **kw)
 
 
 def check_model_directory(path: Path, given: str) -> None:

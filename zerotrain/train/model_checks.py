@@ -56,6 +56,9 @@ def check_architecture(name: str) -> None:
     raise ConfigError(f"model.architecture: {name!r} is not a model type transformers knows; {hint}")
 
 
+_ABSENT = object()
+
+
 def check_override_keys(build: Callable[..., Any], overrides: dict[str, Any], section: Any) -> None:
     """ConfigError for a `model.config_overrides` key the model's config does not have.
 
@@ -91,8 +94,6 @@ def check_override_keys(build: Callable[..., Any], overrides: dict[str, Any], se
         f"{type(base).__name__} ({source}); its sizes are {', '.join(k for k in SIZE_KEYS if k in known)}"
     )
 
-
-_ABSENT = object()
 
 
 def config_source(section: Any) -> tuple[str, str]:
