@@ -160,7 +160,8 @@ def main_train(argv: Sequence[str]) -> int:
             )
     if under_launcher:
         return run_in_this_process(cfg, resume)
-    from zerotrain.launcher.local import LaunchError, LocalLaunch, launch_local, visible_gpu_count
+    from zerotrain.launcher.local import DEFAULT_MASTER_ADDR, LaunchError, LocalLaunch, launch_local
+    from zerotrain.launcher.local import visible_gpu_count
 
     nproc = flags["nproc_per_node"] or visible_gpu_count() or 2
     write_pid(run_dir)
@@ -177,7 +178,7 @@ def main_train(argv: Sequence[str]) -> int:
             target="zerotrain.train.worker", target_args=(str(merged), "--resume", str(resume)),
             nproc=nproc, module=True, local_rank_arg=False,
             master_port=int(given["master_port"]) if "master_port" in given else None,
-            **({"master_addr": given["master_addr"]} if "master_addr" in given else {}),
+            master_addr=given.get("master_addr", DEFAULT_MASTER_ADDR),
         )
         try:
             code = launch_local(request, Console(stderr=True, soft_wrap=True), quiet_interrupt=True)
@@ -192,8 +193,6 @@ def main_train(argv: Sequence[str]) -> int:
 def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict, local_nproc: int) -> int:
     """The run on every node of a hostfile (or Slurm allocation), through `zerotrain launch`'s launcher.
     Without a hostfile the ssh launcher runs here: with as many processes as a local run."""
-    import shlex
-
     from zerotrain.launcher.local import LaunchError
     from zerotrain.launcher.multinode import ClusterLaunch, launch
     from zerotrain.launcher.ssh import SshOptions
