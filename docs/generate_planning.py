@@ -59,10 +59,20 @@ global batch; accumulation makes up the rest.
 | activ | what autograd keeps for backward, per layer from the architecture (eager attention keeps the score matrices, SDPA does not); with checkpointing, each layer's input plus one layer recomputed |
 | logits | the LM head's peak: logits, their fp32 copy for the loss, and its gradient |
 
+On the CPU, per node (offloaded rungs), besides the offloaded states themselves:
+
+| term | what it is |
+| --- | --- |
+| optimizer step temporaries | the offloaded step's fp32 copy of one sub-group's gradients and one bucket's, for the norm |
+| pinned-memory rounding | torch's pinned allocator (`tensor.pin_memory()`) rounds each buffer up to a power of two, and the engine pins per bucket (master, gradient and stage-3 parameter shards): a 486M-element bucket pins 2 GiB for its 1.8 GiB fp32 master |
+| nvme swap buffers | NVMe rungs: the host buffers a shard passes through on its way to and from disk |
+
 A rung fits when the GPU total plus a reserve (5% of the GPU, at least 1 GiB: CUDA context, NCCL
 buffers, allocator fragmentation) is within `--gpu-memory`, and the CPU bytes of its node's
-processes within `--cpu-memory` (`plan` without it: this machine's memory, said in its first line). NVMe bytes are what the shards take on disk. GB and GiB both
-mean 2^30 bytes, as devices report memory.
+processes plus a reserve (2 GiB for the OS, 4 GiB per process for its CUDA context and libraries;
+measured on an H100 machine: 1.8 GiB and 3.6 GiB) within `--cpu-memory` (`plan` without it: this
+machine's memory, said in its first line). NVMe bytes are what the shards take on disk. GB and
+GiB both mean 2^30 bytes, as devices report memory.
 """
 
 EXAMPLES = [

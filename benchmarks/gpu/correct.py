@@ -48,7 +48,7 @@ def run_pytest(out_dir: Path, dry: bool, extra: list[str]) -> tuple[int, Path, s
     """Runs the selection; returns (exit status, JUnit XML path, the command)."""
     junit = out_dir / "correct-junit.xml"
     targets = DRY_SELECTION if dry else ["tests"]
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-q", "-rfE",
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-v", "-rfE", "--durations=15",
            f"--junitxml={junit}", *targets, *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if dry:

@@ -132,12 +132,12 @@ def limits_for(args, facts: dict) -> Limits:
 
 
 def predictions(args, facts: dict, limits: Limits, sizes) -> dict:
-    """Per mode: zerotrain's planner and DeepSpeed's estimator, for this machine's GPU and host memory."""
+    """Per mode: zerotrain's planner and DeepSpeed's estimator, for this machine's GPU and a trial's host limit."""
     from size_plan import deepspeed_predict, predict
 
-    host = limits.host_limit_bytes - DRY_OVERHEAD_BYTES if args.dry else facts["host_mem_total_bytes"]
-    if not args.dry and args.host_limit_gib:
-        host = limits.host_limit_bytes
+    # The memory a trial may really take (MemAvailable less the floor), not MemTotal: the 2026-11-26
+    # H100 run started at a 9B the planner fitted in MemTotal and the trial's limit did not hold.
+    host = limits.host_limit_bytes - (DRY_OVERHEAD_BYTES if args.dry else 0)
     out = {}
     for mode in args.modes:
         out[mode] = predict(sizes, mode, args.seq, 1, facts["gpu_total_bytes"], host, cpu_device=args.dry)

@@ -81,11 +81,16 @@ def run_trial(search: Search, size: Size, *, python: str, cuda: bool, threads: i
                 "gpu_build_peak_bytes", "phase", "error"):
         if key in child:
             record[key] = child[key]
-    if watched.killed:
+    finished = child.get("status") == "ok"
+    if watched.killed and watched.killed.startswith("timeout") and finished:
+        # Its steps were done and written; only the exit was cut (unpinning ~100 GiB takes seconds:
+        # the 7B trial of 2026-11-26 wrote its result at 173 s and was still exiting at 189 s).
+        record.update(status="ok", reason=None, detail=f"result written; killed while exiting ({watched.killed})")
+    elif watched.killed:
         cut = budget_cut and watched.killed.startswith("timeout")
         reason = "budget" if cut else ("host memory" if watched.killed.startswith("host memory") else "timeout")
         record.update(status="failed", reason=reason, detail=watched.killed)
-    elif child.get("status") == "ok":
+    elif finished:
         record.update(status="ok", reason=None)
         if limits.rss_limit_bytes is not None and record["host_peak_bytes"] > limits.rss_limit_bytes:
             # Dry mode: a peak between two polls of the watcher, seen afterwards in VmHWM.

@@ -3,7 +3,8 @@
 zerotrain's planner (`zerotrain.planning.rung_memory.estimate_rung`, what `zerotrain estimate`
 prints) gives each rung's bytes per GPU and on the host from the model's shapes alone: the
 model is built on the meta device, nothing is allocated. A rung "fits" when its GPU total plus
-the planner's reserve fits the GPU and its host total fits the host memory (MemTotal).
+the planner's reserve fits the GPU and its host total plus the host reserve fits what a trial
+may take (MemAvailable less the harness's floor).
 
 On a CPU device (dry mode) the "GPU" terms live in host memory too, so a rung fits there when
 GPU and host terms together fit the (fake) host limit.

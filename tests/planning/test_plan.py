@@ -45,7 +45,7 @@ def test_the_ladder_runs_fastest_first_and_each_offload_step_holds_less_on_the_g
     assert both[0] == Rung(0) and both[1] == Rung(0, gradient_checkpointing=True) and both[-1].uses_nvme
 
 
-TRANSIENT_HOST = ("nvme swap buffers", "optimizer step temporaries")  # buffers, not model states
+TRANSIENT_HOST = ("nvme swap buffers", "optimizer step temporaries", "pinned-memory rounding")  # not model states
 
 
 @pytest.mark.parametrize("rung", [Rung(0), Rung(1), Rung(2, "cpu"), Rung(3), Rung(3, "cpu", "cpu"), Rung(3, "nvme", "nvme")],
@@ -267,3 +267,27 @@ def test_plan_verify_and_tune_take_master_port_for_their_ranks():
     for argv in (["plan", "llama", "--gpus", "1", "--global-batch", "1", "--verify", "--master_port", str(port)],
                  ["tune", "run.yaml", "--master-port", str(port)]):
         assert parser.parse_args(argv).master_port == port
+
+
+def test_pinned_offload_buffers_are_counted_at_the_power_of_two_torch_pins():
+    from zerotrain.planning.model_states import bucket_layouts
+    from zerotrain.zero.stage import StagePlan
+
+    model = _meta()
+    trainable = [[p for p in model.parameters() if p.requires_grad]]
+    bucket = 50_000  # several buckets, none a power of two
+    shards = [b.shard_size for b in bucket_layouts(model, trainable, StagePlan(2), 2, 0, bucket, 0)]
+
+    def waste(n: int) -> int:
+        return (1 << (n - 1).bit_length()) - n
+
+    base = {"zero_optimization": {"reduce_bucket_size": bucket}}
+    work, hw = Workload(64, 1, "bf16"), Hardware(2, gpu_memory=80 * GIB, cpu_memory=512 * GIB)
+    est = estimate_rung(model, Rung(2, "cpu"), work, hw, base)
+    # Per process: the fp32 master shard and the bf16 gradient shard of every bucket; two processes per node.
+    assert est.cpu_per_node["pinned-memory rounding"] == 2 * sum(waste(4 * n) + waste(2 * n) for n in shards)
+    # The fit check keeps the OS's and each process's runtime share of the node free.
+    assert hw.cpu_reserve == 2 * GIB + 2 * 4 * GIB
+    tight = Hardware(2, gpu_memory=80 * GIB, cpu_memory=est.cpu_total + hw.cpu_reserve - 1)
+    assert "reserve" in estimate_rung(model, Rung(2, "cpu"), work, tight, base).overflow[0]
+    assert "pinned-memory rounding" not in estimate_rung(model, Rung(2), work, hw, base).cpu_per_node

@@ -49,7 +49,8 @@ def format_rung_table(rows: list[RungEstimate], hardware: Hardware) -> str:
     if hardware.gpu_memory is not None:
         lines.append(f"fits: GPU total + {format_bytes(hardware.gpu_reserve)} reserve (CUDA context, NCCL, "
                      f"fragmentation) <= {format_bytes(hardware.gpu_memory)}"
-                     + (f"; CPU <= {format_bytes(hardware.cpu_memory)} per node" if hardware.cpu_memory else ""))
+                     + (f"; CPU total + {format_bytes(hardware.cpu_reserve)} reserve (OS, CUDA context) <= "
+                        f"{format_bytes(hardware.cpu_memory)} per node" if hardware.cpu_memory else ""))
     return "\n".join(lines) + "\n"
 
 

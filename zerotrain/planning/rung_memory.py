@@ -30,6 +30,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # allocator's fragmentation. Measured jobs lose 0.5-1.5 GiB to the first two.
 RESERVE_FRACTION = 0.05
 RESERVE_MIN_BYTES = GIB
+# The host memory a node's training processes cannot use for model states: what the OS holds, and
+# each process's CUDA context, libraries and Python objects. Measured on an H100 machine (126 GiB):
+# the idle OS held 1.8 GiB, a 7B ZeRO-Offload process 3.6 GiB beyond its states and pinned rounding
+# (docs/benchmarks.md, section 6).
+HOST_RESERVE_OS_BYTES = 2 * GIB
+HOST_RESERVE_PER_PROCESS_BYTES = 4 * GIB
 # Whole-gradient buckets alive at once at stages 2-3: one filling, two awaiting their reduce-scatter
 # (zero/grad_reducer.py keeps at most two in flight).
 _GRAD_BUCKETS_ALIVE = 3
@@ -72,6 +78,13 @@ class Hardware:
         if self.gpu_memory is None:
             return 0
         return max(RESERVE_MIN_BYTES, int(self.gpu_memory * RESERVE_FRACTION))
+
+    @property
+    def cpu_reserve(self) -> int:
+        """Bytes of each node's memory the estimate keeps free for the OS and the processes' runtime."""
+        if self.cpu_memory is None:
+            return 0
+        return HOST_RESERVE_OS_BYTES + HOST_RESERVE_PER_PROCESS_BYTES * self.gpus_per_node
 
 
 @dataclass
@@ -202,6 +215,9 @@ def estimate_rung(
         host[rung.offload_optimizer]["master + optimizer"] = optimizer_bytes
     if rung.offload_optimizer != "none":
         host["cpu"]["optimizer step temporaries"] = _step_temporary_bytes(buckets, zero.sub_group_size, low)
+    rounding = _pinned_rounding_bytes(buckets, rung, zero, grads_off, low)
+    if rounding:
+        host["cpu"]["pinned-memory rounding"] = rounding
     if rung.uses_nvme:
         # NVMe shards are swapped through host memory one bucket at a time.
         largest = max((b.shard_size for b in buckets), default=0)
@@ -246,6 +262,25 @@ def _step_temporary_bytes(buckets, sub_group_size: int, low: int) -> int:
     return (largest + max(sizes, default=0)) * 4
 
 
+def _pinned_rounding_bytes(buckets, rung: Rung, zero, grads_off: bool, low: int) -> int:
+    """What page-locked buffers take beyond their size. torch's pinned allocator (the caching host
+    allocator, `tensor.pin_memory()`) rounds every request up to a power of two, and the engine pins
+    per bucket: each offloaded master shard (fp32), gradient shard and stage-3 parameter shard. A
+    bucket of 486M elements pins 2 GiB for its 1.8 GiB master: 4.7 GiB in all for a 7B model."""
+    def waste(nbytes: int) -> int:
+        return (1 << (nbytes - 1).bit_length()) - nbytes if nbytes > 0 else 0
+
+    pinned: list[int] = []
+    if rung.offload_optimizer == "cpu":
+        if zero.offload_optimizer is not None and zero.offload_optimizer.pin_memory:
+            pinned += [b.shard_size * 4 for b in buckets]
+        if grads_off:  # reduced gradient shards are pinned whenever they live on the CPU
+            pinned += [b.shard_size * low for b in buckets]
+    if rung.offload_param == "cpu" and zero.offload_param is not None and zero.offload_param.pin_memory:
+        pinned += [b.shard_size * low for b in buckets if not b.persistent]
+    return sum(waste(n) for n in pinned)
+
+
 def _gathered_unit_bytes(buckets, zero, low: int) -> int:
     """Stage 3's whole parameters during a step: the root unit throughout, layers up to the live limit.
 
@@ -267,8 +302,9 @@ def _gathered_unit_bytes(buckets, zero, low: int) -> int:
 
 def _check_fit(est: RungEstimate, hardware: Hardware) -> None:
     checks = [("GPU", est.gpu_total + est.gpu_reserve, hardware.gpu_memory, est.gpu, "per GPU")]
-    if hardware.cpu_memory is not None:
-        checks.append(("CPU", est.cpu_total, hardware.cpu_memory, est.cpu_per_node, "per node"))
+    if hardware.cpu_memory is not None and est.cpu_total:  # a rung keeping nothing there adds nothing to check
+        checks.append(("CPU", est.cpu_total + hardware.cpu_reserve, hardware.cpu_memory, est.cpu_per_node,
+                       f"per node (with {format_bytes(hardware.cpu_reserve)} reserve)"))
     for what, need, have, terms, where in checks:
         if have is None or need <= have:
             continue
