@@ -145,3 +145,23 @@ def test_a_rendezvous_flag_never_changes_how_many_processes_a_local_run_starts(t
     assert "; 2 ranks," in proc.stdout, proc.stdout[-2000:]
     if flag == "--master_port":
         assert f"127.0.0.1:{value}" in proc.stderr + proc.stdout
+
+
+def test_batch_sizes_that_do_not_multiply_out_at_the_world_size_fail_before_any_rank(tmp_path):
+    proc = _train(tmp_path, "runs/b", "--nproc_per_node", "2", "--zero.train_batch_size", "6",
+                  "--training.micro_batch_size", "2", check=False, env=device_env("cpu"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "zerotrain launch" not in proc.stderr + proc.stdout  # no rank was started
+    assert "zero.train_batch_size = 6" in proc.stderr and "world size 2 = 4" in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_an_error_the_ranks_find_is_printed_once_and_leaves_no_run_folder(tmp_path):
+    one = tmp_path / "one.jsonl"  # one document: too few to hold out an evaluation split, known only once tokenized
+    one.write_text('{"text": "a single short document"}\n')
+    proc = _train(tmp_path, "runs/one", "--nproc_per_node", "2", "--data.path", str(one), "--data.format", "auto",
+                  check=False, env=device_env("cpu"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-2000:]
+    assert out.count("too few to hold out") == 1, out[-3000:]
+    assert not (tmp_path / "runs").exists()  # the ranks' config.yaml went with the folder the launch made

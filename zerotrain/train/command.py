@@ -60,6 +60,8 @@ Llama learning a generated arithmetic language on this machine.
 Ctrl-C (or SIGTERM) stops after the current step with a checkpoint; resume with --resume.
 ZEROTRAIN_DEBUG=1 shows full tracebacks.
 """
+# How long a rank other than 0 holds back a config or data error that rank 0 reports too.
+REPEAT_ERROR_WAIT_S = 5.0
 # How long `--detach` waits for every rank to be up before it reports the run started.
 DETACH_START_TIMEOUT_S = 600.0
 
@@ -123,7 +125,9 @@ def main_train(argv: Sequence[str]) -> int:
     from zerotrain.train.model import check_model_config
     from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
     from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
+    from zerotrain.train.run_folder import discard_unstarted_run, first_missing_folder
     from zerotrain.train.run_folder import require_checkpoint_to_resume
+    from zerotrain.train.zero_fill import check_batch_at_world
 
     try:
         config, flags, overrides = split_train_argv(argv)
@@ -143,6 +147,8 @@ def main_train(argv: Sequence[str]) -> int:
         if flags["resume"] and not under_launcher:
             require_checkpoint_to_resume(run_dir, config)
         resolve_resume(resume, run_dir)  # a bad training.resume fails now, not after start-up
+        if not under_launcher and not set(flags["launch"]) - RENDEZVOUS_FLAGS:
+            check_batch_at_world(cfg, _local_processes(flags))  # multi-node: the nodes' ranks check it
     except (ValueError, ConfigError) as error:
         print_user_error("zerotrain train", error)
         return USAGE_EXIT_CODE
@@ -161,33 +167,43 @@ def main_train(argv: Sequence[str]) -> int:
     if under_launcher:
         return run_in_this_process(cfg, resume)
     from zerotrain.launcher.local import DEFAULT_MASTER_ADDR, LaunchError, LocalLaunch, launch_local
-    from zerotrain.launcher.local import visible_gpu_count
 
-    nproc = flags["nproc_per_node"] or visible_gpu_count() or 2
+    nproc = _local_processes(flags)
+    made = first_missing_folder(run_dir)  # removed again if the ranks fail before training
     write_pid(run_dir)
     given = flags["launch"]
+    code = 1
     try:
         # Only a flag that names other nodes (or a launcher) leaves this machine: --master_port or
         # --master_addr alone used to send a local run down the multi-node path, with 1 process on a CPU.
         if set(given) - RENDEZVOUS_FLAGS:
-            return _train_on_nodes(cfg, run_dir, resume, flags, nproc)
-        if nproc == 1:
-            return run_in_this_process(cfg, resume)
-        merged = cfg.write(run_dir)
-        request = LocalLaunch(
-            target="zerotrain.train.worker", target_args=(str(merged), "--resume", str(resume)),
-            nproc=nproc, module=True, local_rank_arg=False,
-            master_port=int(given["master_port"]) if "master_port" in given else None,
-            master_addr=given.get("master_addr", DEFAULT_MASTER_ADDR),
-        )
-        try:
-            code = launch_local(request, Console(stderr=True, soft_wrap=True), quiet_interrupt=True)
-        except LaunchError as error:
-            print_user_error("zerotrain train", error)
-            return USAGE_EXIT_CODE
+            code = _train_on_nodes(cfg, run_dir, resume, flags, nproc)
+        elif nproc == 1:
+            code = run_in_this_process(cfg, resume)
+        else:
+            request = LocalLaunch(
+                target="zerotrain.train.worker", target_args=(str(cfg.write(run_dir)), "--resume", str(resume)),
+                nproc=nproc, module=True, local_rank_arg=False,
+                master_port=int(given["master_port"]) if "master_port" in given else None,
+                master_addr=given.get("master_addr", DEFAULT_MASTER_ADDR),
+            )
+            try:
+                code = launch_local(request, Console(stderr=True, soft_wrap=True), quiet_interrupt=True)
+            except LaunchError as error:
+                print_user_error("zerotrain train", error)
+                code = USAGE_EXIT_CODE
         return code
     finally:
         clear_pid(run_dir)
+        if made is not None and code not in (0, INTERRUPTED_EXIT_CODE):
+            discard_unstarted_run(run_dir, made)
+
+
+def _local_processes(flags: dict) -> int:
+    """Processes a run on this machine starts: --nproc_per_node, else every GPU, else 2 on a CPU."""
+    from zerotrain.launcher.local import visible_gpu_count
+
+    return flags["nproc_per_node"] or visible_gpu_count() or 2
 
 
 def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict, local_nproc: int) -> int:
@@ -266,7 +282,7 @@ def run_in_this_process(cfg, resume: str) -> int:
         summary = trainer.run()
     except (ConfigError, DataError) as error:
         # A problem with the user's config or data: the message names it and the fix; a traceback would bury it.
-        print_user_error(f"zerotrain train (rank {rank})", error)
+        _print_once_per_job(rank, lambda: print_user_error(f"zerotrain train (rank {rank})", error))
         return USAGE_EXIT_CODE
     except CheckpointError as error:
         print_user_error(f"zerotrain train (rank {rank})", error)
@@ -281,6 +297,19 @@ def run_in_this_process(cfg, resume: str) -> int:
     if trainer.rank == 0:
         print_summary(summary, Console(soft_wrap=True))
     return 0
+
+
+def _print_once_per_job(rank: str, report) -> None:
+    """Config and data errors are the same on every rank: rank 0 reports at once; another rank waits
+    a moment first, and the launcher, stopping the job on rank 0's report, ends it before it repeats
+    the message. A rank alone in its error still reports it after the wait."""
+    if rank != "0" and os.environ.get("WORLD_SIZE", "1") != "1":
+        import signal
+        import time
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's graceful-stop handler would wait out the sleep
+        time.sleep(REPEAT_ERROR_WAIT_S)
+    report()
 
 
 def print_summary(summary: dict, console: Console) -> None:

@@ -37,6 +37,30 @@ def holds_a_run(run_dir: Path) -> bool:
     return has_tags or (checkpoints / LATEST).exists() or (run_dir / "metrics.csv").exists()
 
 
+def first_missing_folder(run_dir: Path) -> Path | None:
+    """The outermost folder on the way to `run_dir` that does not exist yet (None: it exists)."""
+    if run_dir.exists():
+        return None
+    top = run_dir.absolute()
+    while not top.parent.exists():
+        top = top.parent
+    return top
+
+
+def discard_unstarted_run(run_dir: Path, made: Path) -> bool:
+    """Removes `run_dir` and the empty folders this launch made for it (`made`, from
+    `first_missing_folder`) when its ranks failed before training wrote anything: a config
+    error the ranks found leaves nothing behind. Returns whether it did."""
+    if not run_dir.is_dir() or holds_a_run(run_dir) or any(p.is_dir() for p in run_dir.iterdir()):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    folder = run_dir.absolute().parent
+    while folder != made.parent and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent
+    return True
+
+
 def check_no_live_run(run_dir: Path, own_pid: int | None = None) -> None:
     """Refuses when another live process is running in `run_dir`."""
     pid = running_pid(run_dir)

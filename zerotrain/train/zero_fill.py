@@ -51,6 +51,14 @@ ADAM_TYPES = ("adam", "adamw")
 ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
+def check_batch_at_world(cfg: TrainConfig, world_size: int) -> None:
+    """ConfigError when the DeepSpeed section's train_batch_size cannot be what `training`'s batch sizes
+    give at `world_size` processes: checked where the run is launched, before any rank starts."""
+    mismatches = world_mismatches(cfg.zero_dict(), cfg.training, world_size)
+    if mismatches:
+        raise mismatch_error(mismatches, cfg.source)
+
+
 def build_engine_config(
     cfg: TrainConfig,
     *,
