@@ -215,3 +215,18 @@ def test_consolidate_hf_writes_the_runs_tokenizer_and_architecture(stage3_run, t
         modes = _modes(directory)
         assert "model.safetensors" in modes and "tokenizer.json" in modes, modes
         assert all(mode == 0o644 for mode in modes.values()), {k: oct(v) for k, v in modes.items()}
+
+
+@pytest.mark.slow
+def test_summary_names_the_newest_evaluation_and_its_step_also_after_a_resume(zerotrain_cli, tmp_path):
+    run = tmp_path / "run"
+    common = ["train", "--nproc_per_node", "1", "--output.dir", run, "--data.synthetic.num_examples", "400",
+              "--training.micro_batch_size", "4", "--training.save_interval", "4"]
+    zerotrain_cli(*common, "--training.max_steps", "4", "--training.eval_interval", "2", check=True)
+    first = json.loads((run / "summary.json").read_text())
+    assert first["eval_step"] == 4 and first["eval_loss"] > 0
+    # The resumed segment does not evaluate: its summary keeps the earlier segment's newest evaluation.
+    zerotrain_cli(*common, "--training.max_steps", "6", "--training.eval_interval", "0", "--resume", check=True)
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["steps"] == 6
+    assert (resumed["eval_step"], resumed["eval_loss"]) == (4, pytest.approx(first["eval_loss"], rel=1e-5))

@@ -325,7 +325,8 @@ def print_summary(summary: dict, console: Console) -> None:
         ("final loss", f"{summary['final_loss']:.4f}"),
     ]
     if "eval_loss" in summary:
-        rows.append(("eval loss / ppl", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
+        at = f" (step {summary['eval_step']})" if "eval_step" in summary else ""
+        rows.append((f"eval loss / ppl{at}", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
     rows += [("run directory", summary["run_dir"]), ("checkpoints", summary["checkpoints"])]
     if summary.get("hf_model"):
         rows.append(("Hugging Face model", summary["hf_model"]))

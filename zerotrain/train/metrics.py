@@ -196,6 +196,14 @@ class MetricsLog:
     def log_eval(self, row: dict[str, Any]) -> None:
         self._log("eval", self.eval_csv, row)
 
+    def earlier_eval(self) -> dict[str, Any]:
+        """The newest evaluation a resumed run's earlier segments logged (eval.csv), as the summary
+        shows it; empty on a fresh run, without CSV logging, or on ranks other than 0."""
+        row = self.eval_csv.last_kept if self.eval_csv is not None else None
+        if not row:
+            return {}
+        return {"eval_step": int(row["step"]), "eval_loss": float(row["eval_loss"]), "eval_ppl": float(row["eval_ppl"])}
+
     def _log(self, prefix: str, csv_file: "_CsvFile | None", row: dict[str, Any]) -> None:
         if not self.enabled:
             return
@@ -234,6 +242,7 @@ class _CsvFile:
         if path.exists() and resume_step > 0:
             with open(path, newline="") as f:
                 kept = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= resume_step]
+        self.last_kept = kept[-1] if kept else None  # an earlier segment's newest row, for the summary
         self.file = open(path, "w", newline="")
         self.writer = csv.DictWriter(self.file, fieldnames=fields, extrasaction="ignore")
         self.writer.writeheader()

@@ -134,7 +134,7 @@ class Trainer:
         first_step = self.state.step
         window = _Window(self.state.step, start)
         last_loss = math.nan
-        last_eval: dict = {}
+        last_eval: dict = self.metrics.earlier_eval()  # a resumed run that stops before its first evaluation
         stopped = False
         progress = TrainingProgress(self.rank == 0, self.cfg.logging.progress_bar, self.total_steps, first_step)
         # Said first: a model of the wrong size (a misread config) shows before any step is spent.
@@ -272,7 +272,7 @@ class Trainer:
         row = {"step": self.state.step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),
                "elapsed_s": self.state.train_seconds + time.perf_counter() - start}
         self.metrics.log_eval(row)
-        return {"eval_loss": row["eval_loss"], "eval_ppl": row["eval_ppl"]}
+        return {"eval_step": row["step"], "eval_loss": row["eval_loss"], "eval_ppl": row["eval_ppl"]}
 
     # --- checkpoints, stop, export ------------------------------------------------------------
 
