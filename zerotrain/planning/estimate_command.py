@@ -38,6 +38,9 @@ def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
         "--additional-buffer-factor", type=float, default=1.5, metavar="F",
         help="DeepSpeed's safety factor on CPU memory, for --deepspeed-format (default 1.5)",
     )
+    parser.add_argument("--wide", action="store_true",
+                        help="add a column per GPU memory term (parameters, gradients, optimizer, buckets, "
+                        "gathered units, activations, logits): about 130 columns")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--deepspeed-format", action="store_true",
                         help="print DeepSpeed's own ZeRO-2 and ZeRO-3 tables (the guides' layout)")
@@ -88,7 +91,7 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     rows = [estimate_rung(model, rung, workload, hardware, base)
             for rung in ladder(allow_nvme=True, checkpointing=args.gradient_checkpointing)]
     assumed = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))
-    text = describe_setup(args.model, total, hardware, workload, assumed) + "\n" + format_rung_table(rows, hardware)
+    text = describe_setup(args.model, total, hardware, workload, assumed) + "\n" + format_rung_table(rows, hardware, args.wide)
     hw = (args.gpus_per_node, args.nodes, args.additional_buffer_factor)
     data = {
         "model": {"source": args.model, "total_params": total, "largest_layer_params": largest},

@@ -35,23 +35,39 @@ def describe_setup(source: str, total_params: int, hardware: Hardware, workload:
     )
 
 
-def format_rung_table(rows: list[RungEstimate], hardware: Hardware) -> str:
-    """One line per rung: GiB per GPU by term, the GPU total, CPU and NVMe per node, and the verdict."""
-    name_width = max([len(r.rung.name) for r in rows] + [4])
-    head = f"{'rung':<{name_width}}" + "".join(f"{h:>9}" for h, _ in _GPU_COLUMNS)
+def format_rung_table(rows: list[RungEstimate], hardware: Hardware, wide: bool = False) -> str:
+    """One line per rung: where the optimizer and parameters live, checkpointing, the GPU total, CPU
+    and NVMe per node, and the verdict; `wide` adds the GPU total's terms. Within 100 columns
+    unless wide. GiB, or MiB when every figure is under 1 GiB; a figure that rounds to zero but
+    is not shows as "<0.01"."""
+    figures = [v for r in rows for v in (*r.gpu.values(), r.gpu_total, r.cpu_total, r.nvme_total)]
+    unit, scale = ("GiB", GIB) if max(figures, default=0) >= GIB else ("MiB", 2**20)
+
+    def cell(value: int, width: int) -> str:
+        text = "<0.01" if 0 < value / scale < 0.005 else f"{value / scale:.2f}"
+        return f"{text:>{width}}"
+
+    terms = _GPU_COLUMNS if wide else ()
+    head = f"{'stage':<6}{'optimizer':<10}{'params':<8}{'ckpt':<5}" + "".join(f"{h:>9}" for h, _ in terms)
     head += f"{'GPU':>9}{'CPU/node':>10}{'NVMe/node':>10}  fits"
-    lines = ["GiB per GPU (CPU and NVMe per node)", head]
+    lines = [f"{unit} per GPU (CPU and NVMe per node)" + ("" if wide else "; --wide: the GPU total's terms"), head]
     for r in rows:
-        cells = "".join(f"{r.gpu.get(key, 0) / GIB:>9.2f}" for _, key in _GPU_COLUMNS)
+        rung = r.rung
+        where = f"{rung.stage:<6}{_device(rung.offload_optimizer):<10}{_device(rung.offload_param):<8}"
+        where += f"{'yes' if rung.gradient_checkpointing else 'no':<5}"
+        cells = "".join(cell(r.gpu.get(key, 0), 9) for _, key in terms)
         verdict = "-" if hardware.gpu_memory is None and hardware.cpu_memory is None else ("yes" if r.fits else "no")
-        lines.append(f"{r.rung.name:<{name_width}}{cells}{r.gpu_total / GIB:>9.2f}"
-                     f"{r.cpu_total / GIB:>10.2f}{r.nvme_total / GIB:>10.2f}  {verdict}")
+        lines.append(f"{where}{cells}{cell(r.gpu_total, 9)}{cell(r.cpu_total, 10)}{cell(r.nvme_total, 10)}  {verdict}")
     if hardware.gpu_memory is not None:
         lines.append(f"fits: GPU total + {format_bytes(hardware.gpu_reserve)} reserve (CUDA context, NCCL, "
                      f"fragmentation) <= {format_bytes(hardware.gpu_memory)}"
                      + (f"; CPU total + {format_bytes(hardware.cpu_reserve)} reserve (OS, CUDA context) <= "
                         f"{format_bytes(hardware.cpu_memory)} per node" if hardware.cpu_memory else ""))
     return "\n".join(lines) + "\n"
+
+
+def _device(offload: str) -> str:
+    return "gpu" if offload == "none" else offload
 
 
 def format_plan(plan: Plan) -> str:
