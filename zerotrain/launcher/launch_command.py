@@ -10,6 +10,7 @@ import argparse
 import os
 from collections.abc import Collection
 
+from zerotrain.config.flag_spellings import GPUS_PER_NODE, NODES
 from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
 
 
@@ -42,14 +43,14 @@ def add_launch_flags(
         if options.get("dest", long_name[2:].replace("-", "_")) not in skip:
             actions.append(parser.add_argument(*names, **options))
 
-    add("--num_gpus", "--num_accelerators", "--nproc_per_node", "--nproc-per-node", dest="nproc", type=int,
+    add(*GPUS_PER_NODE, dest="nproc", type=int,
         default=None, metavar="N",
         help="processes per node (default: every slot of the hostfile, the local GPUs, or 1 without GPUs)")
     add("-H", "--hostfile", default=None, metavar="FILE",
         help="hostfile of 'host slots=N' lines (default: /job/hostfile; without one, run on this machine)")
     add("-i", "--include", default="", metavar="HOSTS", help="only these hosts/slots, e.g. worker-0@worker-1:0,2")
     add("-e", "--exclude", default="", metavar="HOSTS", help="all but these hosts/slots, e.g. worker-1:0")
-    add("--num_nodes", type=int, default=-1, metavar="N", help="use the first N hosts of the hostfile")
+    add(*NODES, dest="num_nodes", type=int, default=-1, metavar="N", help="use the first N hosts of the hostfile")
     add("--master_addr", default=None, metavar="ADDR",
         help="rendezvous address (default: the first node, as ssh reaches it; 127.0.0.1 on one machine)")
     add("--master_port", type=int, default=None, metavar="PORT",

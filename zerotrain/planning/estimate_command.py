@@ -17,6 +17,7 @@ from typing import Any
 
 def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
     """Adds `estimate` to the `zerotrain` command."""
+    from zerotrain.config.flag_spellings import GPUS_PER_NODE, NODES, add_shared_flag
     from zerotrain.planning import planning_args as pa
 
     parser = subparsers.add_parser(
@@ -28,8 +29,9 @@ def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
         "downloaded.",
     )
     pa.add_model_args(parser)
-    parser.add_argument("--gpus-per-node", type=pa.positive_int, default=1, metavar="N", help="GPUs per node (default 1)")
-    parser.add_argument("--nodes", type=pa.positive_int, default=1, metavar="N", help="nodes (default 1)")
+    add_shared_flag(parser, GPUS_PER_NODE, dest="gpus_per_node", type=pa.positive_int, default=1, metavar="N",
+                        help="GPUs per node (default 1)")
+    add_shared_flag(parser, NODES, dest="nodes", type=pa.positive_int, default=1, metavar="N", help="nodes (default 1)")
     parser.add_argument("--micro-batch", type=pa.positive_int, default=None, metavar="B",
                         help="samples per GPU per forward (default: a train YAML's training.micro_batch_size, else 1)")
     pa.add_workload_args(parser)

@@ -13,6 +13,7 @@ import json
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     """Adds `plan` to the `zerotrain` command."""
+    from zerotrain.config.flag_spellings import GPUS_PER_NODE, NODES, add_shared_flag
     from zerotrain.planning import planning_args as pa
 
     parser = subparsers.add_parser(
@@ -23,9 +24,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "recommend the fastest that fits, with the micro-batch and accumulation that keep the global batch.",
     )
     pa.add_model_args(parser)
-    parser.add_argument("--gpus", type=pa.positive_int, required=True, metavar="N", help="GPUs in all")
-    parser.add_argument("--gpus-per-node", type=pa.positive_int, default=None, metavar="N",
+    parser.add_argument("--gpus", type=pa.positive_int, default=None, metavar="N",
+                        help="GPUs in all (or give --nodes: --nodes x --gpus-per-node)")
+    add_shared_flag(parser, GPUS_PER_NODE, dest="gpus_per_node", type=pa.positive_int, default=None, metavar="N",
                         help="GPUs per node (default: --gpus up to 8)")
+    add_shared_flag(parser, NODES, dest="nodes", type=pa.positive_int, default=None, metavar="N",
+                        help="nodes (default: --gpus / --gpus-per-node)")
     parser.add_argument("--global-batch", type=pa.positive_int, required=True, metavar="B",
                         help="samples per optimizer step over all GPUs")
     pa.add_workload_args(parser)
@@ -39,6 +43,19 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_plan)
 
 
+def _gpus_from_nodes(args: argparse.Namespace) -> None:
+    """Fills --gpus from --nodes x --gpus-per-node, or checks that the three agree."""
+    if args.gpus is None:
+        if args.nodes is None or args.gpus_per_node is None:
+            raise ValueError("say how many GPUs: --gpus N (in all), or --nodes N with --gpus-per-node N")
+        args.gpus = args.nodes * args.gpus_per_node
+    elif args.nodes is not None:
+        per_node = args.gpus_per_node or args.gpus // args.nodes
+        if args.nodes * per_node != args.gpus:
+            raise ValueError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
+        args.gpus_per_node = per_node
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Prints the plan; 0 when something fits, 1 when nothing does, 2 for a wrong MODEL or flag."""
     from zerotrain.config.errors import ConfigError
@@ -50,6 +67,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from zerotrain.train.data import DataError
 
     try:
+        _gpus_from_nodes(args)
         per_node = args.gpus_per_node or min(args.gpus, 8)
         if args.gpus % per_node:
             raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {per_node}")

@@ -122,7 +122,10 @@ def train_yaml_section(plan: Plan, ds_config: dict[str, Any]) -> str:
 
 
 def plan_json(plan: Plan, ds_config: dict[str, Any] | None) -> str:
+    hw = plan.hardware
     return json.dumps({
+        "hardware": {"gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes, "world_size": hw.world_size,
+                     "gpu_memory": hw.gpu_memory, "cpu_memory": hw.cpu_memory} if hw else None,
         "choice": plan.choice.as_dict() if plan.choice else None,
         "accumulation": plan.accumulation,
         "global_batch": plan.global_batch,

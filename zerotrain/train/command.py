@@ -25,10 +25,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from zerotrain.config.error_report import USAGE_EXIT_CODE
+from zerotrain.config.flag_spellings import GPUS_PER_NODE, NODES
 from zerotrain.launcher.bootstrap import INTERRUPTED_EXIT_CODE  # a run stopped by Ctrl-C/SIGTERM, checkpointed
 
 TRAIN_USAGE = (
-    "zerotrain train [CONFIG.yaml] [--nproc_per_node N] [--hostfile FILE] [--resume | --overwrite] [--detach] "
+    "zerotrain train [CONFIG.yaml] [--gpus-per-node N] [--hostfile FILE] [--resume | --overwrite] [--detach] "
     "[--section.key VALUE ...]"
 )
 # `zerotrain launch` flags that `zerotrain train` passes on to the multi-node launcher.
@@ -44,12 +45,13 @@ Llama learning a generated arithmetic language on this machine.
   CONFIG.yaml           the run's config; `inherit: [base.yaml]` merges other files
   --section.key VALUE   override any key, e.g. --training.micro_batch_size 4
                         --zero.zero_optimization.stage 3 (VALUE is read as YAML)
-  --nproc_per_node N    processes per machine (default: every GPU, or 2 without GPUs)
+  --gpus-per-node N     processes per machine (default: every GPU, or 2 without GPUs);
+                        also --nproc_per_node, --num_gpus
   --hostfile FILE       train on every node of FILE ('host slots=N' lines), as
                         `zerotrain launch` does: pre-flight checks, one log, no
                         process left behind; output.dir must be on a filesystem
                         every node shares. With it: --include/--exclude HOSTS,
-                        --num_nodes N, --master_addr A, --master_port P,
+                        --nodes N (or --num_nodes), --master_addr A, --master_port P,
                         --ssh_port P, --ssh_args "...", --launcher ssh|slurm
   --resume              continue from the newest checkpoint in output.dir
   --overwrite           start again in an output.dir that holds a run (deletes its
@@ -79,14 +81,15 @@ def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
         name = token.split("=", 1)[0]
         if token in ("-h", "--help"):
             flags["help"] = True
-        elif name in ("--nproc_per_node", "--nproc-per-node"):
+        elif name in GPUS_PER_NODE:
             value, i = _flag_value(args, i, name)
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"{name} needs a positive number of processes, got {value!r}")
             flags["nproc_per_node"] = int(value)
-        elif name in LAUNCH_FLAGS or name == "-H":
+        elif name in LAUNCH_FLAGS or name in NODES or name == "-H":
             value, i = _flag_value(args, i, name)
-            flags["launch"]["hostfile" if name == "-H" else name[2:]] = value
+            key = "hostfile" if name == "-H" else "num_nodes" if name in NODES else name[2:]
+            flags["launch"][key] = value
         elif token in ("--resume", "--overwrite", "--detach"):
             flags[token[2:]] = True
         elif token.startswith("--") and "." in name:
