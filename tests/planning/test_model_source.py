@@ -106,3 +106,11 @@ def test_zerotrain_estimate_command_prints_deepspeeds_tables_for_a_model_section
     assert "offload_param=cpu , offload_optimizer=cpu , zero_init=1" in done.stdout
     missing = zerotrain_cli("estimate", "no/such/model_dir")
     assert missing.returncode == 2 and "no/such/model_dir" in missing.stderr
+
+
+def test_the_shipped_models_are_found_by_name_from_any_folder(zerotrain_cli):
+    # The docs' examples name them so: they run from outside the checkout, the configs ship in the package.
+    done = zerotrain_cli("estimate", "llama-2-7b", "--json", check=True)
+    assert json.loads(done.stdout)["model"]["total_params"] == 6_738_415_616
+    missing = zerotrain_cli("estimate", "llama-2-13b")
+    assert missing.returncode == 2 and "llama-2-7b" in missing.stderr and "llama-3.2-1b" in missing.stderr

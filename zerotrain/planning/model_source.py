@@ -5,6 +5,8 @@
 - a local Hugging Face directory, or its config.json: that config as written (its vocabulary
   included); no weights are read, nothing is downloaded;
 - a `zerotrain train` YAML (a `.yaml`/`.yml` file): its `model` section;
+- a model shipped with zerotrain by name (`llama-3.2-1b`, `llama-2-7b`, `llama-3-70b`: their
+  Hugging Face config.json files, in `model_presets/`), so the docs' examples run anywhere;
 - an architecture name (`llama`, `gpt2`, ...) plus config overrides, as a `model` section takes
   them (`architecture` + `config_overrides`).
 
@@ -26,6 +28,12 @@ from zerotrain.config.errors import ConfigError
 from zerotrain.config.overrides import parse_key_values
 
 _YAML_SUFFIXES = (".yaml", ".yml")
+PRESETS_DIR = Path(__file__).parent / "model_presets"
+
+
+def model_presets() -> list[str]:
+    """The names of the model configs shipped with zerotrain (`zerotrain estimate llama-2-7b`)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 
 
 def load_meta_model(source: str | os.PathLike | Mapping[str, Any] | Any,
@@ -41,6 +49,8 @@ def load_meta_model(source: str | os.PathLike | Mapping[str, Any] | Any,
     if isinstance(source, (str, os.PathLike)):
         text = str(source)
         path = Path(text).expanduser()
+        if not path.exists() and text in model_presets():
+            path = PRESETS_DIR / f"{text}.json"
         if path.suffix in _YAML_SUFFIXES:
             return _from_train_yaml(path, overrides)
         if path.is_dir() or path.suffix == ".json":
@@ -53,7 +63,15 @@ def load_meta_model(source: str | os.PathLike | Mapping[str, Any] | Any,
 
         from zerotrain.train.model_checks import check_architecture
 
-        check_architecture(text)
+        try:
+            check_architecture(text)
+        except ConfigError as error:
+            import difflib
+
+            near = difflib.get_close_matches(text, model_presets(), n=2, cutoff=0.6)
+            hint = f"did you mean {' or '.join(near)} (shipped with zerotrain)? " if near else ""
+            raise ConfigError(f"{error}\n{hint}MODEL may also name a model shipped with zerotrain: "
+                              f"{', '.join(model_presets())}") from None
         overrides.setdefault("vocab_size", AutoConfig.for_model(text).vocab_size)
         return _from_section({"architecture": text, "config_overrides": overrides}, {})
     return _from_section(source, overrides)
@@ -63,7 +81,7 @@ def assumed_sizes(source: str, model: nn.Module, overrides: Mapping[str, Any]) -
     """For an architecture name, the sizes taken from its defaults (the rest were given), in words."""
     from zerotrain.train.model_checks import SIZE_KEYS
 
-    if os.sep in str(source) or Path(str(source)).suffix or Path(str(source)).exists():
+    if os.sep in str(source) or Path(str(source)).suffix or Path(str(source)).exists() or source in model_presets():
         return None
     config = model.config
     taken = [f"{key} {getattr(config, key)}" for key in SIZE_KEYS
@@ -95,7 +113,8 @@ def _unique(params) -> list[nn.Parameter]:
 def _missing(path: str | Path) -> ConfigError:
     return ConfigError(
         f"{path} does not exist; MODEL is a local Hugging Face directory or config.json, a zerotrain train "
-        "YAML, or an architecture name such as llama or gpt2"
+        f"YAML, a model shipped with zerotrain ({', '.join(model_presets())}), or an architecture name such "
+        "as llama or gpt2"
     )
 
 

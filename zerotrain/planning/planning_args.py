@@ -19,8 +19,9 @@ DEFAULT_SEQ_LEN = 2048
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model", metavar="MODEL",
-        help="a local Hugging Face directory or config.json, a zerotrain train YAML, "
-        "or an architecture name (llama, gpt2, ...) sized with --config-override",
+        help="a local Hugging Face directory or config.json, a zerotrain train YAML, a model shipped "
+        "with zerotrain (llama-3.2-1b, llama-2-7b, llama-3-70b), or an architecture name (llama, gpt2, ...) "
+        "sized with --config-override",
     )
     parser.add_argument(
         "--config-override", action="append", default=[], metavar="KEY=VALUE", dest="config_overrides",
