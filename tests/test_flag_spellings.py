@@ -47,3 +47,10 @@ def test_launch_takes_gpus_per_node_and_nodes(zerotrain_cli, tmp_path):
 def test_the_shown_spellings_come_first():
     assert GPUS_PER_NODE[0] == "--gpus-per-node" and NODES[0] == "--nodes"
     assert {"--num_gpus", "--nproc_per_node"} <= set(GPUS_PER_NODE) and {"--num_nodes", "--nnodes"} <= set(NODES)
+
+
+@pytest.mark.parametrize("spelling", ["--gpus-per-node", "--num_gpus", "--nproc_per_node"])
+def test_tune_takes_every_spelling_of_gpus_per_node(zerotrain_cli, spelling):
+    # Parsed (and checked) before the YAML is read: 0 ranks is refused, whichever the spelling.
+    done = zerotrain_cli("tune", "missing.yaml", spelling, "0")
+    assert done.returncode == 2 and "must be at least 1, got 0" in done.stderr, done.stderr

@@ -1,6 +1,7 @@
 """`zerotrain tune`: candidates in the plan's order, pruned by the memory model, timed in one job of 2
 Gloo ranks; an out-of-memory trial on one rank is skipped by both without hanging; early stop; the
-winner is (within 10%) the fastest configuration when timed by hand; DeepSpeed's results layout."""
+winner, run twice (--repeats 2), is (within 10%) the fastest configuration when timed by hand; DeepSpeed's
+results layout."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def test_tune_skips_an_oom_on_one_rank_stops_early_and_picks_the_fastest(zerotra
     }))
     started = time.monotonic()
     done = zerotrain_cli("tune", "tune.yaml", "--num_gpus", "2", "--min-trial-seconds", "1", "--trial-timeout", "10",
-                         "--json", env={"ZEROTRAIN_TEST_TUNE_OOM": "1@1"}, timeout=240)
+                         "--repeats", "2", "--json", env={"ZEROTRAIN_TEST_TUNE_OOM": "1@1"}, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert time.monotonic() - started < 180
     report = json.loads(done.stdout[done.stdout.index("{\n"):])
@@ -106,6 +107,7 @@ def test_tune_skips_an_oom_on_one_rank_stops_early_and_picks_the_fastest(zerotra
     assert json.loads((results / "z0_mbs2" / "metrics.json").read_text())["status"] == "oom"
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     best = report["best"]["name"]
+    assert report["verdict"]["winner"] == best and len(report["best"]["runs"]) == 2  # both ranks repeated it
     configs = [json.loads((results / r["name"] / "ds_config.json").read_text()) for r in ran if r["status"] == "ok"]
     names = [r["name"] for r in ran if r["status"] == "ok"]
     assert optimal == configs[names.index(best)]

@@ -2,11 +2,14 @@
 
     autotuning_exps/<name>.json            each experiment: its DeepSpeed config and what it is
     autotuning_results/<name>/ds_config.json, metrics.json   each trial run: config, metrics or failure
-    autotuning_results/summary.txt          one line per experiment, the best marked
+    autotuning_results/<name>/stderr.log    the trial's warnings and error output (rank 0; others .rankN)
+    autotuning_results/summary.txt          one line per experiment (median and spread), the verdict
     autotuning_results/ds_config_optimal.json   the winner's DeepSpeed config
 
-The winner maximizes throughput or FLOPS, or minimizes latency (`metric: latency`; DeepSpeed's
-tuner ranks latency like the others and so picks the slowest).
+A trial that ran holds one metrics dict per run (`runs`, repeats included) and their medians
+(`metrics`). The winner has the best median: the highest throughput or FLOPS, or the lowest
+latency (`metric: latency`; DeepSpeed's tuner ranks latency like the others and so picks the
+slowest). Whether its lead is outside the noise is `noise.verdict`'s call.
 """
 
 from __future__ import annotations
@@ -15,22 +18,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+from zerotrain.autotuning.noise import Spread, Verdict, fmt, verdict
 
-def best_record(records: list[dict], metric: str) -> dict | None:
-    """The trial with the best `metric` among those that ran."""
-    ran = [r for r in records if r["status"] == "ok"]
-    if not ran:
-        return None
-    pick = min if metric == "latency" else max
-    return pick(ran, key=lambda r: r["metrics"][metric])
+
+def samples_of(records: list[dict], metric: str) -> dict[str, list[float]]:
+    """{trial name: the metric of each of its runs}, for the trials that ran, in trial order."""
+    return {r["name"]: [run[metric] for run in r.get("runs") or [r["metrics"]]]
+            for r in records if r["status"] == "ok"}
+
+
+def check_result_dirs(results_dir: Path, exps_dir: Path, overwrite: bool) -> None:
+    """FileExistsError before any trial when earlier results are there and may not be replaced."""
+    for folder in (results_dir, exps_dir):
+        if folder.exists() and any(folder.iterdir()) and not overwrite:
+            raise FileExistsError(f"{folder} holds earlier results and autotuning.overwrite is false: "
+                                  "move them away or set overwrite: true")
 
 
 def write_results(results_dir: Path, exps_dir: Path, experiments: list[dict], records: list[dict],
-                  pruned: list[dict], metric: str, overwrite: bool = True) -> dict | None:
-    """Writes every file; returns the best record (None when no trial ran)."""
+                  pruned: list[dict], metric: str) -> Verdict:
+    """Writes every file; returns the verdict (its winner None when no trial ran)."""
     for folder in (results_dir, exps_dir):
-        if folder.exists() and any(folder.iterdir()) and not overwrite:
-            raise FileExistsError(f"{folder} holds earlier results and autotuning.overwrite is false")
         folder.mkdir(parents=True, exist_ok=True)
     configs = {e["name"]: e for e in experiments}
     for exp in experiments:
@@ -41,30 +49,38 @@ def write_results(results_dir: Path, exps_dir: Path, experiments: list[dict], re
             continue
         folder = results_dir / record["name"]
         _write_json(folder / "ds_config.json", configs[record["name"]]["config"])
-        _write_json(folder / "metrics.json", record.get("metrics") or {"status": record["status"],
-                                                                      "reason": record.get("reason")})
-    best = best_record(records, metric)
-    lines = [f"{'experiment':<40}{'status':<10}{metric:>16}  note"]
+        metrics = ({**record["metrics"], "runs": record.get("runs", [])} if record["status"] == "ok"
+                   else {"status": record["status"], "reason": record.get("reason")})
+        _write_json(folder / "metrics.json", metrics)
+    samples = samples_of(records, metric)
+    result = verdict(samples, metric)
+    lines = [f"{'experiment':<36}{'status':<8}{metric + ' median':>20}  {'spread (min-max)':<26}note"]
     not_run = [r for r in records if r["status"] == "not run"]
     for record in records:
         if record["status"] == "not run":
             continue
-        value = record.get("metrics", {}).get(metric) if record["status"] == "ok" else None
-        note = "<- best" if record is best else record.get("reason", "")
-        lines.append(f"{record['name']:<40}{record['status']:<10}{_fmt(value):>16}  {note}")
+        spread = Spread(record["name"], tuple(samples[record["name"]])) if record["name"] in samples else None
+        median = fmt(spread.median) if spread else "-"
+        if record["name"] == result.winner:
+            note = "<- best"
+        elif record["name"] in result.within_noise:
+            note = "within noise of the best"
+        else:
+            note = record.get("reason", "")
+        if record.get("repeat_failed"):
+            note = f"{note}; a repeat failed: {record['repeat_failed']}".lstrip("; ")
+        lines.append(f"{record['name']:<36}{record['status']:<8}{median:>20}  "
+                     f"{spread.text() if spread else '-':<26}{note}".rstrip())
     if not_run:
         lines.append(f"{len(not_run)} more not run ({not_run[0]['name']} ... {not_run[-1]['name']}): "
                      f"{not_run[0]['reason']}")
     for p in pruned:
-        lines.append(f"{p['name']:<40}{'pruned':<10}{'-':>16}  {p['reason']}")
+        lines.append(f"{p['name']:<36}{'pruned':<8}{'-':>20}  {'-':<26}{p['reason']}")
+    lines.append(result.text[:1].upper() + result.text[1:])
     (results_dir / "summary.txt").write_text("\n".join(lines) + "\n")
-    if best is not None:
-        _write_json(results_dir / "ds_config_optimal.json", configs[best["name"]]["config"])
-    return best
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
+    if result.winner is not None:
+        _write_json(results_dir / "ds_config_optimal.json", configs[result.winner]["config"])
+    return result
 
 
 def _write_json(path: Path, data: Any) -> None:

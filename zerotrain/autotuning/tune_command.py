@@ -4,7 +4,9 @@ The train YAML gives the model, the sequence length and the global batch (micro-
 accumulation x ranks); its DeepSpeed section's `autotuning` keys steer the search (metric,
 start/end_profile_step, tuner_early_stopping, tuner_num_trials, results_dir, exps_dir,
 overwrite, fast, max_train_micro_batch_size_per_gpu). One job of N local ranks runs every trial
-in-process (`trial_runner`); the results are written in DeepSpeed's layout (`results`).
+in-process (`trial_runner`), then repeats the leaders (`--repeats`) so the verdict can tell a
+real lead from noise (`noise`); the results are written in DeepSpeed's layout (`results`), and
+the winner is printed as the train YAML keys to set (`apply`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     """Adds `tune` to the `zerotrain` command."""
+    from zerotrain.config.flag_spellings import GPUS_PER_NODE, add_shared_flag
     from zerotrain.planning.planning_args import memory_size, positive_int
 
     parser = subparsers.add_parser(
@@ -27,8 +30,8 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
         "trial is skipped on every rank together. Results go to autotuning_results/ as DeepSpeed writes them.",
     )
     parser.add_argument("config", metavar="TRAIN_YAML", help="a zerotrain train YAML (model, data.seq_len, batch)")
-    parser.add_argument("--num_gpus", "--nproc_per_node", type=positive_int, default=None, metavar="N",
-                        help="ranks to tune on (default: this machine's GPUs, or 1 without)")
+    add_shared_flag(parser, GPUS_PER_NODE, dest="num_gpus", type=positive_int, default=None, metavar="N",
+                    help="ranks to tune on, on this machine (default: its GPUs, or 1 without)")
     parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
                         help="memory of one GPU for pruning (default: the GPU's own; none on a CPU)")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
@@ -37,6 +40,9 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="how long a rank waits for a peer inside a trial before counting it failed (default 60)")
     parser.add_argument("--min-trial-seconds", type=float, default=1.0, metavar="SECONDS",
                         help="time each trial's profiled steps, repeated, for at least this long (default 1)")
+    parser.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                        help="run the leading trials up to N times each, until the winner's lead is outside "
+                        "the spread of its runs (default 3; 1: one run each, no spread)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--master_port", "--master-port", type=positive_int, default=None, metavar="PORT",
                         help="the ranks' rendezvous port (default: a free one)")
@@ -47,7 +53,8 @@ def run_tune(args: argparse.Namespace) -> int:
     """0 when a trial ran (the winner written), 1 when none could, 2 for a wrong config."""
     import torch
 
-    from zerotrain.autotuning.results import write_results
+    from zerotrain.autotuning.apply import apply_lines, winner_overrides
+    from zerotrain.autotuning.results import check_result_dirs, write_results
     from zerotrain.autotuning.search_space import experiments
     from zerotrain.autotuning.trial_runner import run_trials
     from zerotrain.config import load_config
@@ -75,7 +82,9 @@ def run_tune(args: argparse.Namespace) -> int:
         candidates, pruned = experiments(model, hardware, seq_len, global_batch, dtype, base, fast=tuning.fast,
                                          max_micro_batch=tuning.max_train_micro_batch_size_per_gpu)
         plan = make_plan(model, hardware, seq_len, global_batch, dtype) if gpu_memory else None
-    except (ConfigError, ValueError, FileNotFoundError) as error:
+        results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
+        check_result_dirs(results_dir, exps_dir, tuning.overwrite)  # before the trials, not after them
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as error:
         print_user_error("zerotrain tune", error)
         return USAGE_EXIT_CODE
     exps = [{"name": e.name, "config": e.deepspeed_config(base, seq_len, dtype, global_batch),
@@ -88,23 +97,33 @@ def run_tune(args: argparse.Namespace) -> int:
         "end_step": tuning.end_step or tuning.end_profile_step,
         "early_stopping": tuning.tuner_early_stopping, "num_trials": tuning.tuner_num_trials,
         "time_budget_s": args.time_budget, "trial_timeout_s": args.trial_timeout,
-        "min_seconds": args.min_trial_seconds,
+        "min_seconds": args.min_trial_seconds, "repeats": args.repeats, "results_dir": str(results_dir),
     }
     print(f"zerotrain tune: {len(exps)} candidates on {world} rank{'s' if world > 1 else ''} "
           f"({len(pruned)} pruned by the memory model), metric {tuning.metric}", flush=True)
     records = run_local_job(run_trials, world, job, name="zerotrain-tune", rank0_to_console=True,
                             master_port=args.master_port)[0]
     pruned_rows = [{"name": p.name, "reason": p.reason} for p in pruned]
-    best = write_results(Path(tuning.results_dir), Path(tuning.exps_dir), exps, records, pruned_rows,
-                         tuning.metric, tuning.overwrite)
+    result = write_results(results_dir, exps_dir, exps, records, pruned_rows, tuning.metric)
     predicted = (f"{plan.choice.rung.name} at micro-batch {plan.choice.micro_batch}"
                  if plan and plan.choice else None)
+    apply: list[str] = []
+    pairs: list = []
+    if result.winner is not None:
+        winner = next(e for e in exps if e["name"] == result.winner)
+        pairs, removals = winner_overrides(winner["config"], winner["gradient_checkpointing"], base)
+        apply = apply_lines(result.winner, args.config, pairs, removals,
+                            str(results_dir / "ds_config_optimal.json"), within_noise=bool(result.within_noise))
     if args.json:
-        print(json.dumps({"records": records, "pruned": pruned_rows, "best": best, "plan": predicted}, indent=2))
+        best = next((r for r in records if r["name"] == result.winner), None)
+        print(json.dumps({"records": records, "pruned": pruned_rows, "best": best, "plan": predicted,
+                          "verdict": {"winner": result.winner, "within_noise": list(result.within_noise),
+                                      "lead_pct": result.lead_pct, "measured": result.measured, "text": result.text},
+                          "overrides": {key: value for key, value in pairs}}, indent=2))
     else:
-        print(Path(tuning.results_dir, "summary.txt").read_text(), end="")
-        if best:
-            print(f"Best: {best['name']} ({tuning.metric} {best['metrics'][tuning.metric]:.4g}); "
-                  f"the plan predicted {predicted or 'nothing (no --gpu-memory)'}. "
-                  f"Config: {Path(tuning.results_dir, 'ds_config_optimal.json')}")
-    return 0 if best else 1
+        print(Path(results_dir, "summary.txt").read_text(), end="")
+        if result.winner is not None:
+            print("\n".join(apply))
+            print(f"The plan predicted {predicted or 'nothing (no --gpu-memory)'}. Library warnings and tracebacks: "
+                  f"{results_dir}/<experiment>/stderr.log")
+    return 0 if result.winner is not None else 1
