@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from zerotrain.bench.report import JobResult, ReportError, crash_reason, report, suspect_nodes, write_csv
+from zerotrain.bench.failure import failure_reason
+from zerotrain.bench.report import JobResult, ReportError, report, suspect_nodes, write_csv
 from zerotrain.bench.report_chart import THRESHOLD_GID, VERDICT_COLOURS, build_chart, save_chart
 from zerotrain.bench.throughput import from_log_text
 
@@ -93,22 +94,65 @@ def test_finished_job_without_any_throughput_fails_and_says_so(runs):
     assert result.reason.startswith("no throughput found: no metrics.csv, and no throughput line in log.txt")
 
 
-def test_crash_reason_without_a_traceback_is_the_last_non_empty_line(tmp_path):
+def test_failure_reason_without_an_error_line_is_the_last_line_but_zerotrains_hints(tmp_path):
     log = tmp_path / "log.txt"
-    log.write_text("[n1 0]: loading\n[n1 0]: zerotrain train: config x.yaml: no such file\n\n  \n")
-    assert crash_reason(log) == "zerotrain train: config x.yaml: no such file"
-    assert crash_reason(tmp_path / "absent.txt") == "no absent.txt to say why"
+    log.write_text("$ python -m zerotrain launch error_job.py\n[n1 0]: loading\n"
+                   "[n1 0]: zerotrain train: config x.yaml: not there\n\n  \n"
+                   "wall time 5.5 s; every process of the job is stopped on all 1 nodes\n")
+    assert failure_reason(log) == "zerotrain train: config x.yaml: not there"
+    assert failure_reason(tmp_path / "absent.txt") == "no absent.txt to say why"
 
 
-def test_crash_reason_is_the_last_traceback_of_chained_exceptions(tmp_path):
+def test_failure_reason_is_the_first_traceback_of_chained_exceptions(tmp_path):
     log = tmp_path / "log.txt"
     log.write_text(
         "Traceback (most recent call last):\n  File \"a.py\", line 1, in <module>\n    f()\nKeyError: 'x'\n\n"
-        "During handling of the above exception, another exception occurred:\n\n"
+        "The above exception was the direct cause of the following exception:\n\n"
         "Traceback (most recent call last):\n  File \"a.py\", line 3, in <module>\n    g()\n"
         "    ~^^\nValueError: bad value\nsome later chatter\n"
     )
-    assert crash_reason(log) == "ValueError: bad value"
+    assert failure_reason(log) == "KeyError: 'x'"  # the cause; what followed came of it
+
+
+# What `zerotrain launch` wrote when ssh to the node was refused (pre-flight), and when a rank could not
+# reach the master: the error, then zerotrain's summary and hints, which are not the cause.
+PREFLIGHT_REFUSED = """\
+$ python -m zerotrain launch --hostfile run/batch-001/hostfile --force_multi x.py
+zerotrain launch: pre-flight checks
+node        ssh      python  cwd  target  torch  zerotrain  GPUs  ulimit -n  ulimit -l  master port
+───────────────────────────────────────────────────────────────────────────────────────────────────
+127.0.0.59  refused  -       -    -       -      -          -     -          -          -
+zerotrain launch: pre-flight failed, nothing was started:
+  127.0.0.59: ssh connection refused; ssh to 127.0.0.59: connection refused on port 22: is sshd running there?
+(--skip_preflight starts the job without these checks)
+"""
+RANK_REFUSED = """\
+[gpu-1 0]: /venv/lib/python3.11/site-packages/torch/cuda/__init__.py:61: UserWarning: an Error in a warning
+[gpu-1 0]: Traceback (most recent call last):
+[gpu-1 0]:   File "/work/train.py", line 8, in <module>
+[gpu-1 0]:     dist.init_process_group("gloo")
+[gpu-1 0]: ConnectionRefusedError: [Errno 111] Connection refused
+[gpu-2 1]: RuntimeError: Connection reset by peer
+──────────────────────── zerotrain launch failed ────────────────────────
+first failure: node gpu-1 (node rank 0), rank 0 (local rank 0) exited with code 1
+To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+wall time 2.1 s; every process of the job is stopped on all 2 nodes; each rank's output is above
+"""
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    (PREFLIGHT_REFUSED, "127.0.0.59: ssh connection refused; ssh to 127.0.0.59: connection refused on port 22: "
+                        "is sshd running there?"),
+    (RANK_REFUSED, "ConnectionRefusedError: [Errno 111] Connection refused"),
+    ("[n 0]: ok\nssh: connect to host 10.0.0.5 port 22: Connection refused\nfirst failure: node n\n",
+     "ssh: connect to host 10.0.0.5 port 22: Connection refused"),
+    ("[n 0]: usage: zerotrain [-h] COMMAND ...\n[n 0]: zerotrain: error: unrecognized arguments: --local_rank=0\n"
+     "(a hint)\n", "zerotrain: error: unrecognized arguments: --local_rank=0"),
+], ids=["preflight-ssh-refused", "rank-traceback", "ssh-refused", "usage-error"])
+def test_failure_reason_is_the_first_error_line_not_the_hints_after_it(tmp_path, text, reason):
+    log = tmp_path / "log.txt"
+    log.write_text(text)
+    assert failure_reason(log) == reason
 
 
 def test_unfinished_job_fails_but_its_nodes_are_not_suspects(runs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import csv
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 from launcher.sshd_nodes import processes_with_env
 
 from conftest import FIXTURES, zerotrain_script
+from free_ports import free_port
 from zerotrain.bench.run_dir import JobStatus
 from zerotrain.bench.run_progress import LogWatcher, last_throughput
 
@@ -100,8 +102,12 @@ def test_three_jobs_run_at_once_and_end_finished_failed_and_timeout(make_ssh_nod
     assert record["jobs"] == ["batch-001", "batch-002", "batch-003"] and record["exit_code"] == 1
     assert record["counts"] == {"finished": 1, "failed": 1, "timeout": 1}
     assert "--force_multi" in record["launch_flags"] and record["timeout_s"] == TIMEOUT_S
-    # On a pipe: one line per state change, then where the logs are and what to run next.
+    # On a pipe: one line per state change (a failed job's with its cause and log), then the logs and what next.
     assert "batch-003  127.0.0.13  timeout" in done.stdout and "batch-002  127.0.0.12  failed (exit" in done.stdout
+    failed_line = next(line for line in done.stdout.splitlines() if "batch-002  127.0.0.12  failed" in line)
+    assert failed_line.endswith(f"RuntimeError: bench job on 127.0.0.12 crashed on purpose  "
+                                f"(log: {run / 'batch-002' / 'log.txt'})"), failed_line
+    assert "JOB/log.txt" not in done.stdout and str(run / "batch-001" / "log.txt") in done.stdout
     assert f"zerotrain bench report {run} --threshold" in done.stdout
 
 
@@ -130,6 +136,28 @@ def test_sigterm_to_bench_run_stops_every_job_and_writes_its_status(make_ssh_nod
     assert json.loads((run / "run.json").read_text())["interrupted_by"] == "SIGTERM"
     _wait_until_gone(status.extra["job_id"])
     assert not _pid_alive(int((markers / f"{NODES[0]}.start").read_text()))
+
+
+@pytest.mark.slow
+def test_a_failed_jobs_cause_and_real_log_path_show_on_the_console_and_in_the_report(zerotrain_cli, tmp_path):
+    # No sshd listens there: the launch's pre-flight fails, then prints its hints. The cause is the error.
+    hostfiles = _hostfiles(tmp_path / "hostfiles", ["127.0.0.14"])
+    port = free_port("127.0.0.14")
+    done = zerotrain_cli("bench", "run", hostfiles, "--timeout", "60", "--out", "run", "--ssh_port", port,
+                         "--ssh_args", "-o BatchMode=yes", "--", JOB, tmp_path, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    log = (zerotrain_cli.cwd / "run" / "batch-001" / "log.txt").read_text()
+    assert "(--skip_preflight starts the job without these checks)" in log.splitlines()[-1], log
+    failed = next(line for line in done.stdout.splitlines() if "batch-001  127.0.0.14  failed" in line)
+    cause = f"127.0.0.14: ssh connection refused; ssh to 127.0.0.14: connection refused on port {port}"
+    assert cause in failed and "skip_preflight" not in failed, failed
+    assert failed.endswith("(log: run/batch-001/log.txt)"), failed
+    assert "logs in run/batch-001/log.txt" in done.stdout and "JOB/log.txt" not in done.stdout, done.stdout
+    report = zerotrain_cli("bench", "report", "run", "--threshold", "1", "--csv", "results.csv")
+    assert report.returncode == 1, report.stdout + report.stderr
+    (row,) = csv.DictReader((zerotrain_cli.cwd / "results.csv").open())
+    assert row["verdict"] == "crash" and row["reason"].startswith(f"exit 2: {cause}"), row
+    assert row["reason"].removeprefix("exit 2: ") in failed  # the console's cause and the report's are one
 
 
 @pytest.mark.slow
@@ -206,7 +234,7 @@ def test_launch_flags_pass_through_whole_and_one_node_jobs_run_on_their_node():
         ["bench", "run", "hf", "--timeout", "9", "--out", "r", "--ssh_args", "-F my config", "--env", "A=1",
          "--env", "B=2", "--num_gpus", "1", "--module", "--", "zerotrain", "train", "my.yaml", "--", "x"])
     assert args.job == ["zerotrain", "train", "my.yaml", "--", "x"]
-    assert launch_flags(args) == ["--num_gpus=1", "--ssh_args=-F my config", "--env=A=1", "--env=B=2", "--module",
+    assert launch_flags(args) == ["--gpus-per-node=1", "--ssh_args=-F my config", "--env=A=1", "--env=B=2", "--module",
                                   "--force_multi"]
     flags_after = build_parser().parse_args(["bench", "run", "hf", "--timeout", "9", "--out", "r", "--",
                                              "--module", "zerotrain", "train"])

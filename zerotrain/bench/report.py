@@ -3,7 +3,7 @@
 Verdicts, one per job folder of RUN_DIR (run_dir.py):
 
     timeout  the job was stopped at `bench run --timeout`
-    crash    the job exited non-zero; the reason is its traceback's last line
+    crash    the job exited non-zero; the reason is the first error line of its log (failure.py)
     fail     it finished, but its throughput is below --threshold, or none was found
     pass     it finished at --threshold or more
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from zerotrain.bench.failure import failure_reason
 from zerotrain.bench.run_dir import LOG_FILE, STATUS_FILE, JobStatus, job_dirs
 from zerotrain.bench.throughput import METRICS, UNITS, find_throughput, format_rate
 
@@ -73,7 +73,7 @@ def judge_job(job_dir: Path, threshold: float, metric: str) -> JobResult:
         return result("timeout", f"stopped at the timeout{ran}{seen}")
     if status.state == "failed":
         code = f"exit {status.exit_code}: " if status.exit_code is not None else ""
-        return result("crash", code + crash_reason(job_dir / LOG_FILE))
+        return result("crash", code + failure_reason(job_dir / LOG_FILE))
     if status.state != "finished":
         return result("fail", f"not finished (state {status.state}): report again when `bench run` is done",
                       finished=False)
@@ -83,29 +83,6 @@ def judge_job(job_dir: Path, threshold: float, metric: str) -> JobResult:
     if found.value < threshold:
         return result("fail", f"{measured} {unit} is below the threshold {limit} ({found.source})")
     return result("pass", f"{measured} {unit} >= {limit} ({found.source})")
-
-
-# `[host rank]: ` (a rank's line) or `[host] ` (the node agent's), as zerotrain launch prefixes them.
-_LINE_PREFIX = re.compile(r"^\[[^\]\s]+(?: \d+)?\]:? ?")
-
-
-def crash_reason(log: Path) -> str:
-    """The last line of the last traceback in `log`, else its last non-empty line."""
-    try:
-        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return f"no {log.name} to say why"
-    last_exception, in_traceback, last_line = None, False, None
-    for raw in lines:
-        line = _LINE_PREFIX.sub("", raw.rstrip())
-        if not line.strip():
-            continue
-        last_line = line.strip()
-        if line.startswith("Traceback (most recent call last)") or line.lstrip().startswith('File "'):
-            in_traceback = True  # launch's failure summary shows a traceback's tail, from a `File` line
-        elif in_traceback and not line[0].isspace():
-            last_exception, in_traceback = line.strip(), False
-    return last_exception or last_line or f"{log.name} is empty"
 
 
 def suspect_nodes(results: list[JobResult]) -> list[str]:

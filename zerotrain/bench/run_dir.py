@@ -44,7 +44,7 @@ class JobStatus:
     """ISO 8601 time the launch started."""
     ended: str | None = None
     extra: dict = field(default_factory=dict)
-    """Anything else a writer wants to keep (e.g. the last throughput seen)."""
+    """Anything else a writer wants to keep (e.g. the last throughput seen; a failed job's `reason`)."""
 
     def write(self, job_dir: Path) -> None:
         """Replaces JOB/status.json atomically (report may read it while the run goes on)."""

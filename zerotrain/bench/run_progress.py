@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from zerotrain.bench.run_dir import JobStatus
+from zerotrain.bench.run_dir import LOG_FILE, JobStatus
 
 # Throughput as the common trainers print it. The last match on a line is the one shown, so a zerotrain
 # line ("... 12,345 tok/s | 1.5 samples/s") shows samples/s. `bench report` does the real parsing.
@@ -107,9 +107,10 @@ class RunProgress:
     Use as a context manager; call `update(statuses)` after each look at the jobs.
     """
 
-    def __init__(self, console: Console, timeout_s: float) -> None:
+    def __init__(self, console: Console, timeout_s: float, run_dir: Path | None = None) -> None:
         self.console = console
         self.timeout_s = timeout_s
+        self.run_dir = run_dir  # as the user named it: a failed job's line names its log under it
         self._live: Live | None = None
         self._seen: dict[str, str] = {}
         self._started = time.monotonic()
@@ -133,25 +134,28 @@ class RunProgress:
         for status in statuses:
             if self._seen.get(status.job) != status.state:
                 self._seen[status.job] = status.state
-                self.console.print(self.change_line(status), soft_wrap=True, highlight=False)
+                log = self.run_dir / status.job / LOG_FILE if self.run_dir is not None else None
+                self.console.print(self.change_line(status, log), soft_wrap=True, highlight=False)
 
     def table(self, statuses: Sequence[JobStatus]) -> Table:
         done = sum(s.state in ("finished", "failed", "timeout") for s in statuses)
         elapsed = format_elapsed(time.monotonic() - self._started)
         table = Table(title=f"zerotrain bench run: {done}/{len(statuses)} jobs done, {elapsed} "
                             f"(timeout {format_elapsed(self.timeout_s)})", title_justify="left")
-        for name in ("job", "nodes", "state", "elapsed", "last throughput"):
+        for name in ("job", "nodes", "state", "elapsed", "last throughput, or why it failed"):
             table.add_column(name, justify="right" if name == "elapsed" else "left")
         for status in statuses:
             style = _STATE_STYLE.get(status.state, "")
+            last = status.extra.get("reason") if status.state == "failed" else None
             table.add_row(escape(status.job), escape(format_nodes(status.nodes)),
-                          f"[{style}]{status.state}[/]" if style else status.state,
-                          format_elapsed(status.elapsed_s), escape(status.extra.get("throughput") or "-"))
+                          f"[{style}]{status.state}[/]" if style else status.state, format_elapsed(status.elapsed_s),
+                          escape(last or status.extra.get("throughput") or "-"))
         return table
 
     @staticmethod
-    def change_line(status: JobStatus) -> str:
-        """One plain line for a job's new state, e.g. `batch-002  127.0.0.12  failed (exit 1) after 0:07`."""
+    def change_line(status: JobStatus, log: Path | None = None) -> str:
+        """One plain line for a job's new state, e.g. `batch-002  127.0.0.12  failed (exit 1)  after 0:07`;
+        a failed job's also says why (the first error line of its log) and names the log."""
         state = status.state
         if state == "running":
             state += f" (master port {status.master_port})"
@@ -162,4 +166,8 @@ class RunProgress:
             words.append(f"after {format_elapsed(status.elapsed_s)}")
             if status.extra.get("throughput"):
                 words.append(f"last throughput {status.extra['throughput']}")
+        if status.state == "failed" and status.extra.get("reason"):
+            words.append(status.extra["reason"])
+        if status.state in ("failed", "timeout") and log is not None:
+            words.append(f"(log: {log})")
         return escape("  ".join(words))

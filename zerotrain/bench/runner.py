@@ -25,6 +25,8 @@ from pathlib import Path
 from rich.console import Console
 
 from zerotrain.bench import run_dir
+from zerotrain.bench.failure import failure_reason
+from zerotrain.bench.job_target import job_target
 from zerotrain.bench.run_dir import JobStatus
 from zerotrain.bench.run_progress import LogWatcher, RunProgress
 from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
@@ -80,7 +82,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("hostfile_dir", metavar="HOSTFILE_DIR", help="folder of hostfiles, one job each (e.g. from bench split)")
     add("--timeout", type=float, required=True, metavar="S", help="stop a job still running after S seconds")
     add("--out", required=True, metavar="RUN_DIR", help="new or empty folder for the logs and status files")
-    add("--workload", default=None, metavar="NAME", help="a built-in workload instead of `-- SCRIPT`")
+    add("--workload", default=None, metavar="NAME",
+        help="a built-in workload instead of `-- SCRIPT`: llama-cpu (sized for CPUs), llama-125m, llama-350m "
+        "or llama-1b (docs/bench.md)")
     add("--grace", type=float, default=DEFAULT_GRACE_S, metavar="S",
         help="after SIGTERM, seconds a stopped job gets before SIGKILL (default: %(default)s)")
     add("--master_port", type=int, default=None, metavar="PORT",
@@ -235,6 +239,9 @@ class Job:
             self.status.extra["launcher_exit_code"] = code
         else:
             self.status.state, self.status.exit_code = ("finished" if code == 0 else "failed"), code
+        if self.status.state == "failed":  # what the console shows, as `bench report` will
+            self.status.extra["reason"] = (f"stopped by {self.stop_reason}" if self.stop_reason
+                                           else failure_reason(self.dir / run_dir.LOG_FILE))
         return True
 
 
@@ -262,9 +269,10 @@ def _prepare(args: argparse.Namespace) -> tuple[list[Job], dict]:
         job_dir = out / name
         try:
             # with --workload, words after `--` are `zerotrain train` overrides: -- --training.max_steps 50
-            target = [*workload_target(args.workload, job_dir.resolve()), *args.job] if workload_target else list(args.job)
+            words = [*workload_target(args.workload, job_dir.resolve()), *args.job] if workload_target else args.job
         except ValueError as error:
             raise BenchRunError(f"--workload {args.workload}: {error}") from None
+        target = job_target(words, flags, job_dir.resolve())
         argv = [*launcher, "--hostfile", str((job_dir / run_dir.HOSTFILE).resolve()),
                 "--master_port", str(port), *flags, *target]
         env = {**os.environ, "ZEROTRAIN_JOB_ID": f"bench-{run_id}-{name}"}
@@ -309,6 +317,14 @@ def run_jobs(jobs: list[Job], timeout_s: float, grace_s: float, progress: RunPro
     return interrupted[0] if interrupted else None
 
 
+def _logs(out: Path, jobs: list[Job], every: bool = False) -> str:
+    """The jobs' log paths as the user can open them: all of them, or the first and last ('A ... Z')."""
+    paths = [str(out / job.status.job / run_dir.LOG_FILE) for job in jobs]
+    if every or len(paths) <= 2:
+        return ", ".join(paths)
+    return f"{paths[0]} ... {paths[-1]}"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """`zerotrain bench run`: 0 when every job exited 0, 1 otherwise, 2 for a bad command, 130/143 if stopped."""
     try:
@@ -324,8 +340,8 @@ def run_bench(args: argparse.Namespace) -> int:
     run["started"] = _now()
     _write_json(out / run_dir.RUN_FILE, run)
     console = Console(soft_wrap=True, highlight=False)
-    console.print(f"{COMMAND}: {len(jobs)} jobs, timeout {args.timeout:g} s, logs in {out}/JOB/{run_dir.LOG_FILE}")
-    with RunProgress(console, args.timeout) as progress:
+    console.print(f"{COMMAND}: {len(jobs)} jobs, timeout {args.timeout:g} s, logs in {_logs(out, jobs)}")
+    with RunProgress(console, args.timeout, out) as progress:
         interrupted = run_jobs(jobs, args.timeout, args.grace, progress)
     counts = {state: sum(job.status.state == state for job in jobs) for state in ("finished", "failed", "timeout")}
     code = 0 if counts["finished"] == len(jobs) else 1
@@ -334,8 +350,10 @@ def run_bench(args: argparse.Namespace) -> int:
     run.update(ended=_now(), exit_code=code, counts=counts, interrupted_by=interrupted)
     _write_json(out / run_dir.RUN_FILE, run)
     summary = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+    failed = [job for job in jobs if job.status.state == "failed"]
     console.print(f"{COMMAND}: {summary}" + (f" (stopped by {interrupted})" if interrupted else "")
-                  + f"; logs: {out}/JOB/{run_dir.LOG_FILE}")
+                  + f"; logs in {_logs(out, jobs)}"
+                  + (f"; failed: {_logs(out, failed, every=True)}" if failed else ""))
     console.print(f"next: zerotrain bench report {shlex.quote(str(out))} --threshold THROUGHPUT "
                   "(THROUGHPUT: the lowest samples/s a healthy job reaches)")
     return code

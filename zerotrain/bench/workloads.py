@@ -1,8 +1,8 @@
 """Built-in workloads for `zerotrain bench run --workload NAME`: the embedded trainer on synthetic data.
 
 Each is a `zerotrain train` config in zerotrain/bench/workloads/ (NAME.yaml, over base.yaml): a Llama of
-the named size built from its config (nothing downloaded), generated data, 30 steps, throughput in
-metrics.csv every 5 steps, no evaluation and no Hugging Face export.
+the named size built from its config (nothing downloaded), generated data, 30 steps (llama-cpu: 20),
+throughput in metrics.csv every 5 steps, no evaluation and no Hugging Face export.
 
 A job runs it as `zerotrain launch [launch flags] <workload_target(NAME, JOB_DIR)>`, that is
 
@@ -20,8 +20,9 @@ from pathlib import Path
 from zerotrain.bench.run_dir import TRAIN_DIR
 
 WORKLOAD_DIR = Path(__file__).with_name("workloads")
-WORKLOADS = ("llama-125m", "llama-350m", "llama-1b")
-"""The names `--workload` takes, smallest first."""
+WORKLOADS = ("llama-cpu", "llama-125m", "llama-350m", "llama-1b")
+"""The names `--workload` takes, smallest first. llama-cpu is sized for trying the bench on CPUs (about
+3 s a step on 2 cores, 20 steps); the others are for GPUs."""
 
 
 class UnknownWorkloadError(ValueError):
