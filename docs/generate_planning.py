@@ -38,7 +38,9 @@ confirms the answer with one:
 MODEL is a local Hugging Face directory or `config.json`, a `zerotrain train` YAML, or an
 architecture name sized with `--config-override`. The model is built on the meta device: no
 weights are read and nothing is downloaded. The examples below use the configs of Llama 3.2 1B,
-Llama 2 7B and Llama 3 70B in `examples/models/`.
+Llama 2 7B and Llama 3 70B, shipped with zerotrain: name them (`llama-3.2-1b`,
+`llama-2-7b`, `llama-3-70b`) from any folder; their config.json files are in
+`zerotrain/planning/model_presets/` (`examples/models/` in a checkout).
 
 ## The ladder
 
@@ -78,24 +80,24 @@ GiB both mean 2^30 bytes, as devices report memory.
 EXAMPLES = [
     ("A 1B model on one 24 GB GPU",
      "A single consumer or workstation GPU: does Llama 3.2 1B train at sequence length 2048?",
-     "plan examples/models/llama-3.2-1b.json --gpus 1 --gpu-memory 24GB --cpu-memory 64GB --seq-len 2048 "
+     "plan llama-3.2-1b --gpus 1 --gpu-memory 24GB --cpu-memory 64GB --seq-len 2048 "
      "--global-batch 16"),
     ("A 7B model on 8 x 80 GB",
      "One node of eight 80 GB GPUs. First the memory of every rung, then the plan.",
-     "estimate examples/models/llama-2-7b.json --gpus-per-node 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 "
+     "estimate llama-2-7b --gpus-per-node 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 "
      "--micro-batch 4"),
     (None, None,
-     "plan examples/models/llama-2-7b.json --gpus 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 "
+     "plan llama-2-7b --gpus 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 "
      "--global-batch 256"),
     ("A 70B model on 4 nodes x 8 x 80 GB",
      "Thirty-two GPUs, 1 TB of CPU memory per node.",
-     "plan examples/models/llama-3-70b.json --gpus 32 --gpus-per-node 8 --gpu-memory 80GB --cpu-memory 1TB "
+     "plan llama-3-70b --gpus 32 --gpus-per-node 8 --gpu-memory 80GB --cpu-memory 1TB "
      "--seq-len 4096 --global-batch 512"),
     ("DeepSpeed's estimate, for comparison",
      "`--deepspeed-format` prints what DeepSpeed's `estimate_zero3_model_states_mem_needs_all_live` prints "
      "(model states only, with its 1.5 CPU buffer factor); the same functions are importable under "
      "DeepSpeed's names in the stand-in.",
-     "estimate examples/models/llama-2-7b.json --gpus-per-node 8 --deepspeed-format"),
+     "estimate llama-2-7b --gpus-per-node 8 --deepspeed-format"),
 ]
 
 WIZARD = """\
@@ -103,16 +105,34 @@ WIZARD = """\
 
 `zerotrain init [MODEL]` asks what `accelerate config` asks for DeepSpeed (machines, GPUs per
 machine, mixed precision, ZeRO stage, optimizer and parameter offload, zero.Init, accumulation,
-clipping) plus the GPU and CPU memory, sequence length and global batch. Each question shows the
-estimate behind it, and its default is the plan's answer. Answers come from flags (one per
-question), then from standard input, one line each (an empty line takes the default); `--yes`
-takes the defaults for the rest. A configuration that does not fit is shown with its overflow and
-written only when confirmed. It writes `ds_config.json`, a `zerotrain train` YAML
-(`zerotrain.yaml`, with synthetic data to replace by yours) and, with `--accelerate-config PATH`,
-an Accelerate config that uses the JSON. Existing files are kept unless `--force`.
+clipping) plus the GPU and CPU memory, sequence length and global batch, then the run: learning
+rate, optimizer steps and run directory. Each question shows the estimate behind it, and its
+default, in brackets, is the plan's answer. The number of GPUs and the memory of one default to
+this machine's (torch.cuda); on a machine without a GPU the memory has no default and must be
+answered. Answers come from flags (one per question), then from standard input, one line each
+(an empty line takes the default); `--yes` takes the defaults for the rest. An answer a question
+cannot use is asked again, with the reason and the answers it accepts; a wrong flag stops with
+them.
+
+The ZeRO stage question shows a table with a line per term of the estimate (parameters,
+gradients, master and optimizer state, gradient buckets, gathered units, activations, logits)
+and a column per stage, then what each line is. On a small model the estimate can put stages 2
+and 3 above stage 1: in backward they build whole-gradient buckets of `reduce_bucket_size`
+elements (up to 3 alive until reduce-scattered), and stage 3 keeps layers gathered up to
+`stage3_max_live_parameters`; with a model of a few buckets these terms outweigh what sharding
+saves. Each term is counted at its largest, and the wizard names the terms that differ.
+
+A configuration that does not fit is shown with its overflow and written only when confirmed. It
+writes `ds_config.json`, a `zerotrain train` YAML (`zerotrain.yaml`) and, with
+`--accelerate-config PATH`, an Accelerate config that uses the JSON. The two agree: the same
+AdamW settings (learning rate, betas, eps, weight decay) in both, a constant learning rate in both
+(the JSON has no scheduler). The YAML runs as written: steps, an absolute run directory, and
+generated data (`data.format: synthetic`) to replace with `data.path`; its model trains from
+scratch unless `model.path` names a local directory with weights. Existing files are kept unless
+`--force`.
 """
 
-INIT_COMMAND = ("init examples/models/llama-2-7b.json --num-machines 1 --gpus-per-machine 8 --gpu-memory 80GB "
+INIT_COMMAND = ("init llama-2-7b --nodes 1 --gpus-per-node 8 --gpu-memory 80GB "
                 "--cpu-memory 1TB --seq-len 4096 --global-batch 256 --yes")
 
 OUTRO = """\

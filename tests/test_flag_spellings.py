@@ -54,3 +54,10 @@ def test_tune_takes_every_spelling_of_gpus_per_node(zerotrain_cli, spelling):
     # Parsed (and checked) before the YAML is read: 0 ranks is refused, whichever the spelling.
     done = zerotrain_cli("tune", "missing.yaml", spelling, "0")
     assert done.returncode == 2 and "must be at least 1, got 0" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_init_takes_the_shared_spellings(zerotrain_cli):
+    done = zerotrain_cli("init", "llama-3.2-1b", "--nnodes", "1", "--nproc_per_node", "2", "--gpu-memory", "80GB",
+                         "--cpu-memory", "64GB", "--seq-len", "512", "--global-batch", "4", "--yes", check=True)
+    assert "2 (from --gpus-per-node)" in done.stdout and "1 (from --nodes)" in done.stdout, done.stdout[-2000:]

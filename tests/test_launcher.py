@@ -100,6 +100,16 @@ def test_module_flag_runs_a_module():
 
 
 @pytest.mark.slow
+def test_module_zerotrain_train_runs_as_written_without_local_rank(tmp_path):
+    # zerotrain's own commands read LOCAL_RANK; --local_rank=K used to stop them at argument parsing.
+    done, _ = launch("--gpus-per-node", "1", "--module", "zerotrain", "train", "--output.dir", str(tmp_path / "run"),
+                     "--training.max_steps", "1", "--training.eval_interval", "0", "--data.synthetic.num_examples",
+                     "200", "--output.export_hf", "false", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
+@pytest.mark.slow
 def test_no_python_runs_a_program_with_local_rank():
     done, _ = launch("--num_gpus", "2", "--no_python", str(SCRIPTS / "print_rank.sh"), "x")
     assert done.returncode == 0, done.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import yaml
 from zerotrain.planning.config_wizard import Wizard, WizardError, run_questions
 from zerotrain.planning.planner import make_plan
 from zerotrain.planning.rung_memory import GIB, Hardware
+from zerotrain.planning.wizard_questions import LocalGpus, local_gpus
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "vocab_size": 512, "max_position_embeddings": 256}
@@ -25,9 +27,9 @@ def _meta():
         return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY))
 
 
-def _session(lines: list[str], **flags) -> tuple[Wizard, str]:
-    out = io.StringIO()
-    wizard = Wizard(flags, inp=io.StringIO("".join(f"{x}\n" for x in lines)), out=out)
+def _session(lines: list[str], gpus: LocalGpus = LocalGpus(), **flags) -> tuple[Wizard, str]:
+    out = io.StringIO()  # a machine without GPUs unless `gpus` says otherwise, whatever runs the test
+    wizard = Wizard(flags, inp=io.StringIO("".join(f"{x}\n" for x in lines)), out=out, gpus=gpus)
     run_questions(wizard, _meta(), "llama")
     return wizard, out.getvalue()
 
@@ -40,21 +42,23 @@ def test_defaults_are_the_plans_choice_and_each_stage_shows_its_estimate():
     a = wizard.answers
     assert a["rung"] == plan.choice.rung and a["micro_batch"] == plan.choice.micro_batch
     assert a["gradient_accumulation_steps"] == plan.accumulation
-    for stage in range(4):
-        assert f"  stage {stage}" in text
-    assert "of 1.00 GiB per GPU — does not fit" in text and f"recommended: {plan.choice.rung.name}" in text
+    assert re.search(r"^ +stage 0 +stage 1 +stage 2 +stage 3$", text, re.M)  # a column per stage
+    fits = next(line for line in text.splitlines() if line.startswith("  fits  "))
+    assert "no" in fits.split()[1:] and "yes" in fits.split()[1:]
+    assert "within 3.0 MiB of each 1.00 GiB GPU" in text and f"recommended: {plan.choice.rung.name}" in text
 
 
 def test_a_wrong_answer_is_asked_again_with_its_reason():
     wizard, text = _session(["1", "two", "2", "80GB", "", "128", "15", "16", "", "7", "2"])
-    assert "gpus per machine 'two'" in text and "try again" in text
-    assert "must be a multiple of the 2 GPUs" in text
-    assert "answer one of 0, 1, 2, 3" in text
+    assert "  'two': not a whole number; accepted answers: a whole number, 1 or more" in text
+    assert "'15': not a multiple of the 2 GPUs; accepted answers: a multiple of 2 (the GPUs)" in text
+    assert "'7': not one of the choices; accepted answers: one of 0, 1, 2, 3" in text
     assert wizard.answers["zero_stage"] == 2 and wizard.answers["global_batch"] == 16
 
 
 def test_a_wrong_flag_stops_with_its_reason():
-    with pytest.raises(WizardError, match="--zero-stage '5': answer one of 0, 1, 2, 3"):
+    expected = "--zero-stage '5': not one of the choices; accepted answers: one of 0, 1, 2, 3"
+    with pytest.raises(WizardError, match=expected):
         _session([], zero_stage="5", gpu_memory="80GB")
 
 
@@ -77,7 +81,8 @@ def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrai
 
     answers = "1\n2\n2GB\n\n128\n16\nbf16\n3\ncpu\nnone\nyes\n\n2\n0.5\n"
     done = zerotrain_cli("init", "llama", *OVERRIDES, "--accelerate-config", "acc.yaml", input=answers, check=True)
-    assert "Offload the optimizer (none/cpu/nvme)" in done.stdout and "stage 3 + optimizer cpu:" in done.stdout
+    assert "Offload the optimizer (none/cpu/nvme)" in done.stdout
+    assert "stage 3, optimizer offload none or cpu:" in done.stdout
     cwd = zerotrain_cli.cwd
     ds = json.loads((cwd / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -89,13 +94,49 @@ def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrai
     assert train.model.config_overrides["hidden_size"] == 64
     acc = ClusterConfig.from_yaml_file(str(cwd / "acc.yaml"))
     assert acc.num_processes == 2 and acc.deepspeed_config["zero3_init_flag"] is True
-    again = zerotrain_cli("init", "llama", *OVERRIDES, "--yes")
+    again = zerotrain_cli("init", "llama", *OVERRIDES, "--gpu-memory", "2GB", "--yes")
     assert again.returncode == 2 and "ds_config.json exists; pass --force" in again.stderr
-    assert zerotrain_cli("init", "llama", *OVERRIDES, "--yes", "--force").returncode == 0
+    assert zerotrain_cli("init", "llama", *OVERRIDES, "--gpu-memory", "2GB", "--yes", "--force").returncode == 0
     assert yaml.safe_load((cwd / "zerotrain.yaml").read_text())["zero"]["zero_optimization"]["stage"] in (0, 1, 2, 3)
 
 
 def test_memory_shown_in_questions_uses_the_plan_units():
     wizard, text = _session(["1", "1", "80GB"])
-    assert "Memory of one GPU [80.0GiB]: 80GB" in text
+    assert "Memory of one GPU: 80GB" in text
     assert wizard.answers["gpu_memory"] == 80 * GIB
+
+
+H100 = LocalGpus(4, 85_031_714_816, "NVIDIA H100 80GB HBM3")
+
+
+def test_the_gpus_default_to_this_machines():
+    wizard, text = _session([], gpus=H100)  # every answer the default
+    assert "How many GPUs per machine? [4]: 4" in text
+    assert "  this machine's GPU: NVIDIA H100 80GB HBM3, 79.2 GiB\nMemory of one GPU [79.2GiB]: 79.2GiB" in text
+    assert wizard.answers["gpus_per_machine"] == 4 and wizard.answers["gpu_memory"] == H100.memory
+
+
+def test_without_a_gpu_the_memory_question_must_be_answered():
+    wizard, text = _session(["1", "1", "", "24GB"])
+    assert "Memory of one GPU: \n  an answer is needed (no default); accepted answers: a memory size" in text
+    assert wizard.answers["gpu_memory"] == 24 * GIB
+    with pytest.raises(WizardError, match="Memory of one GPU: this question has no default; pass --gpu-memory"):
+        _session(["1", "1"])  # input ends: nothing to take
+
+
+def test_local_gpus_reads_torch_cuda(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert local_gpus() == LocalGpus()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(total_memory=H100.memory, name=H100.name))
+    assert local_gpus() == H100
+
+
+@pytest.mark.cuda
+def test_local_gpus_on_a_gpu():
+    props = torch.cuda.get_device_properties(0)
+    assert local_gpus() == LocalGpus(torch.cuda.device_count(), props.total_memory, props.name)

@@ -85,6 +85,11 @@ def add_launch_flags(
     return actions
 
 
+def _runs_zerotrain(args: argparse.Namespace) -> bool:
+    """`--module zerotrain ...`: zerotrain's own commands take no --local_rank (they read LOCAL_RANK)."""
+    return bool(args.module) and (args.script == "zerotrain" or args.script.startswith("zerotrain."))
+
+
 def launch_request(args: argparse.Namespace):
     """The ClusterLaunch that `zerotrain launch ARGS` asks for."""
     import shlex
@@ -94,7 +99,7 @@ def launch_request(args: argparse.Namespace):
 
     return ClusterLaunch(
         target=args.script, target_args=tuple(args.script_args), module=args.module, no_python=args.no_python,
-        local_rank_arg=not args.no_local_rank, hostfile=args.hostfile, hostfile_given=args.hostfile is not None,
+        local_rank_arg=not args.no_local_rank and not _runs_zerotrain(args), hostfile=args.hostfile, hostfile_given=args.hostfile is not None,
         include=args.include, exclude=args.exclude, num_nodes=args.num_nodes, num_gpus=args.nproc,
         master_addr=args.master_addr, master_port=args.master_port,
         launcher="ssh" if args.launcher == "pdsh" else args.launcher, launcher_args=args.launcher_args,
