@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test check stress bench install gpu-wheels gpu-check deepspeed-chat-check clean
+.PHONY: demo test check stress soak bench install gpu-wheels gpu-check deepspeed-chat-check clean
 
 $(VENV)/.torch-$(firstword $(TORCH)):
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ deepspeed-chat-check: install
 # offload none/cpu): every one must exit 0 with no crash at interpreter exit.
 stress: install
 	ZEROTRAIN_CLEAN_EXIT_RUNS=15 $(PY) -m pytest -q tests/test_clean_exit.py
+
+# Crash consistency at length: every fault point x victim x stage, randomized arrivals, 138 kills
+# (about 40 minutes on 2 cores); prints kills, resumes, bitwise-equal continuations and leftovers.
+soak: install
+	$(PY) tests/faults/soak.py --rounds 3 --out soak.json
 
 # A venv of its own (.venv-bench, never the shared test venv): the pinned torch first,
 # then zerotrain and DeepSpeed. Results go to runs/bench.{json,md}; pass harness flags with

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import shutil
 import tempfile
 import threading
@@ -338,7 +339,7 @@ def test_keys_are_sanitized(store):
 def test_close_removes_directory(tmp_path):
     s = NvmeStore(tmp_path, rank=3)
     name = os.path.basename(s.directory)
-    assert name.startswith(f"zerotrain-rank3-{os.getpid()}-")
+    assert name.startswith(f"zerotrain-rank3@{socket.gethostname()}@{os.getpid()}-")
     t = torch.randn(1000)
     s.swap_out("t", t)
     s.close()  # waits for the write first
@@ -353,3 +354,20 @@ def test_close_removes_directory(tmp_path):
     del s2
     gc.collect()
     assert not os.path.exists(d)
+
+
+def test_a_store_removes_the_folders_of_dead_processes_on_this_machine_only(tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    host = socket.gethostname()
+    orphan = tmp_path / f"zerotrain-rank0@{host}@{dead.pid}-abc123"
+    elsewhere = tmp_path / f"zerotrain-rank0@other-node@{dead.pid}-abc123"  # a shared path: not ours to judge
+    alive = tmp_path / f"zerotrain-rank1@{host}@{os.getpid()}-abc123"
+    for folder in (orphan, elsewhere, alive):
+        folder.mkdir()
+        (folder / "swap").write_bytes(b"x" * 100)
+    store = NvmeStore(tmp_path, rank=0)
+    assert not orphan.exists() and elsewhere.exists() and alive.exists()
+    store.close()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from zerotrain.comm.fault_points import fault_point
 from zerotrain.checkpoint.coordination import Coordinator
 from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.file_mode import default_file_mode
@@ -82,6 +83,7 @@ def _finish_on_rank0(engine, coord, root: Path, tmp: Path, tag: str, reports: li
             _move_into_place(tmp, root / tag)
             if save_latest:
                 coord.pause_point("before_latest")
+                fault_point("before_latest")
                 _atomic_write_text(root / LATEST, tag)
             write_zero_to_fp32_script(root)  # as DeepSpeed: the folder carries its own converter
             return None
@@ -140,6 +142,7 @@ def _write_rank_files(engine, tmp: Path) -> tuple[dict[str, list], int]:
     save_file(tensors, str(path), metadata={"format": FORMAT})
     os.chmod(path, default_file_mode())  # safetensors creates 0600; a checkpoint is an ordinary file
     _fsync(path)
+    fault_point("shard_write")
     rng_path = tmp / rng_file(engine.rank)
     torch.save(_rng_state(), rng_path)
     _fsync(rng_path)

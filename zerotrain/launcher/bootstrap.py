@@ -38,6 +38,9 @@ INTERRUPTED_EXIT_CODE = 130
 BIND_CORES_ENV = "ZEROTRAIN_BIND_CORES"
 # The signal on which every rank prints the Python stack of each of its threads (hang help).
 DUMP_STACKS_SIGNAL = signal.SIGUSR1
+# How often a rank checks that its launcher still lives, and how long it may take to stop after.
+PARENT_POLL_S = 0.5
+PARENT_GONE_GRACE_S = 30.0
 
 
 def build_bootstrap_args(target: str, target_args: list[str], *, module: bool, local_rank_arg: bool) -> list[str]:
@@ -164,6 +167,28 @@ def bind_cores_to_rank() -> None:
     os.environ["OMP_NUM_THREADS"] = str(len(mine))
 
 
+def watch_parent(interval_s: float = PARENT_POLL_S, grace_s: float = PARENT_GONE_GRACE_S) -> None:
+    """Stops this rank when the process that started it is gone.
+
+    A launcher killed with SIGKILL (or an ssh session that dropped) cannot stop its ranks; left
+    alone they would run, or wait in a collective, forever. The rank is then re-parented, which a
+    daemon thread notices: it sends this rank SIGTERM (a `zerotrain train` rank saves a checkpoint
+    and leaves), then SIGKILL if it is still there after `grace_s`.
+    """
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zerotrain-parent-watch", daemon=True).start()
+
+
 def main() -> None:
     """Worker entry: runs the target under torch elastic's ``record``.
 
@@ -177,6 +202,7 @@ def main() -> None:
     bind_cores_to_rank()
     # `zerotrain launch` sends this signal when asked where a job hangs.
     faulthandler.register(DUMP_STACKS_SIGNAL, all_threads=True)
+    watch_parent()
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:

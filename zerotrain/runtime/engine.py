@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zerotrain.comm.distributed import read_launch_env
+from zerotrain.comm.fault_points import fault_point
 from zerotrain.runtime.engine_accessors import DeepSpeedAccessors
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.runtime.precision import build_loss_scaler
@@ -188,6 +189,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         if profiler is not None:
             profiler.before_forward()
         with self.timers.measure("forward"):
+            fault_point("forward")
             out = self.module(*args, **kwargs)
         if profiler is not None:
             profiler.after_forward()
@@ -213,6 +215,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         if self.flops_profiler is not None:
             self.flops_profiler.before_backward()
         with self.timers.measure("backward"):
+            fault_point("backward")
             (loss * scale).backward(retain_graph=retain_graph)
         if self.flops_profiler is not None:
             self.flops_profiler.after_backward()
@@ -239,6 +242,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
                 raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): leave no_sync first")
             if self.reducer.unreduced:
                 self.reducer.reduce_remaining()  # the boundary backward ran inside no_sync(): reduce now
+            fault_point("optimizer_step")
             if self.optimizer.step():
                 self._step_applied = True
                 if self.lr_scheduler is not None:

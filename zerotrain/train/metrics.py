@@ -31,6 +31,8 @@ TRAIN_FIELDS = [
 # Per rank, GiB: the process (allocated now, peak) and the model states it holds.
 MEMORY_KINDS = ("alloc", "peak", "params", "grads", "optim", "buffers", "model_states")
 EVAL_FIELDS = ["step", "eval_loss", "eval_ppl", "elapsed_s"]
+# Written to the last bit (the rest to 6 digits): a resumed run is checked against an uninterrupted one by them.
+EXACT_FIELDS = {"loss", "eval_loss"}
 
 _GIB = float(1 << 30)
 # This process's highest reading so far, per device type: the peak reported never falls below a current one.
@@ -251,7 +253,8 @@ class _CsvFile:
         self.file.flush()
 
     def write(self, row: dict[str, Any]) -> None:
-        self.writer.writerow({k: _cell(v) for k, v in row.items()})
+        self.writer.writerow({k: repr(v) if k in EXACT_FIELDS and isinstance(v, float) else _cell(v)
+                              for k, v in row.items()})
         self.file.flush()  # a run killed mid-way keeps every row logged so far
 
     def close(self) -> None:

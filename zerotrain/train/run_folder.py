@@ -90,7 +90,7 @@ def require_checkpoint_to_resume(run_dir: Path, config_path: str | None) -> None
     `training.resume: auto` in the YAML keeps "continue if there is one" (a requeued job's form).
     """
     load_dir = run_dir / CHECKPOINTS
-    if (load_dir / LATEST).is_file():
+    if newest_complete_checkpoint(load_dir) is not None:
         return
     again = f"zerotrain train {shlex.quote(str(config_path))}" if config_path else "zerotrain train"
     found = "does not exist" if not load_dir.exists() else f"has no `{LATEST}` file (no checkpoint was completed)"
@@ -137,8 +137,7 @@ def resolve_resume(resume: str, run_dir: Path) -> ResumePoint | None:
     if resume == "never":
         return None
     if resume == "auto":
-        load_dir = run_dir / CHECKPOINTS
-        return ResumePoint(load_dir) if (load_dir / LATEST).is_file() else None
+        return newest_complete_checkpoint(run_dir / CHECKPOINTS)
     path = Path(resume).expanduser()
     if is_checkpoint_tag(path):
         return ResumePoint(path.parent, path.name)
@@ -158,6 +157,33 @@ def resolve_resume(resume: str, run_dir: Path) -> ResumePoint | None:
         f"training.resume: {path} {problem}. Give a checkpoints folder (e.g. {run_dir / CHECKPOINTS}) or one tag "
         f"folder in it (e.g. {run_dir / CHECKPOINTS / 'step100'}), or use --resume for the newest checkpoint of this run"
     )
+
+
+def newest_complete_checkpoint(checkpoints: Path) -> ResumePoint | None:
+    """The run's newest complete checkpoint: `latest`'s tag, or a newer one a save published but
+    was killed before moving `latest` to (a tag folder appears, by rename, only once complete)."""
+    steps = [int(p.name[4:]) for p in checkpoints.glob("step*") if p.name[4:].isdigit() and is_checkpoint_tag(p)]
+    latest = checkpoints / LATEST
+    named = latest.read_text().strip() if latest.is_file() else None
+    newest = checkpoint_tag(max(steps)) if steps else None
+    if named is not None and (newest is None or not named.startswith("step") or not named[4:].isdigit()
+                              or int(named[4:]) >= max(steps)):
+        return ResumePoint(checkpoints)  # `latest` is the newest (or names a tag of its own kind)
+    return ResumePoint(checkpoints, newest) if newest else None
+
+
+def clear_interrupted_saves(checkpoints: Path) -> list[str]:
+    """Removes what saves killed midway left in `checkpoints`: their temporary tag folders, a
+    half-written `latest`, and a replaced tag's parked copy once the new one is in place.
+    Returns the names removed. Only for a folder no live run writes to."""
+    removed = []
+    for path in sorted(checkpoints.glob(".*")) if checkpoints.is_dir() else []:
+        parked_tag = path.name[len(".old-"):].rsplit("-", 1)[0] if path.name.startswith(".old-") else None
+        if path.name.startswith(".tmp-") or path.name == f".{LATEST}.tmp" or (
+                parked_tag is not None and is_checkpoint_tag(checkpoints / parked_tag)):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
 
 
 def checkpoint_tag(step: int) -> str:

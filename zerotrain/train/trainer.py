@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,27 +32,15 @@ from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory
 from zerotrain.train.model import build_model, decay_groups, enable_gradient_checkpointing, max_positions
 from zerotrain.train.progress import TrainingProgress
 from zerotrain.train.run_control import StopSignal, mark_started
-from zerotrain.train.run_folder import checkpoint_tag, resolve_resume, run_tags_up_to, tags_to_prune
+from zerotrain.train.run_state import RunState
+from zerotrain.train.run_folder import checkpoint_tag, clear_interrupted_saves, resolve_resume, run_tags_up_to
+from zerotrain.train.run_folder import tags_to_prune
 
 log = logging.getLogger("zerotrain")
 # Tests simulate a crash (every rank SIGKILLed right after this step) to check resumption.
 CRASH_ENV = "ZEROTRAIN_TEST_CRASH_AFTER_STEP"
 CHECKPOINTS = "checkpoints"
 HF_DIR = "hf"
-
-
-@dataclass
-class RunState:
-    """What a checkpoint carries besides the engine's state, so a resumed run continues exactly."""
-
-    step: int = 0
-    tokens: int = 0
-    train_seconds: float = 0.0  # training wall time before this process started
-    data: dict = field(default_factory=dict)
-    # The plan the steps were taken under, so a resume that changes it can say so.
-    global_batch: int = 0
-    total_steps: int = 0
-    schedule: dict = field(default_factory=dict)
 
 
 class Trainer:
@@ -102,17 +89,23 @@ class Trainer:
         self.state = RunState()
         self.last_save_step: int | None = None
         self.written_tags: list[str] = []  # tags output.keep_checkpoints may prune
+        if resume == "auto" and self.rank == 0:
+            removed = clear_interrupted_saves(self.run_dir / CHECKPOINTS)
+            if removed:
+                print(f"removed what interrupted saves left: {', '.join(removed)}", flush=True)
         resume_point = resolve_resume(resume, self.run_dir)
         if resume_point is not None:
             self._resume(resume_point)
         elif resume == "auto" and self.rank == 0:
-            log.info("no checkpoint in %s yet: starting from step 0", self.run_dir / CHECKPOINTS)
+            print(f"no checkpoint in {self.run_dir / CHECKPOINTS} yet: starting from step 0", flush=True)
         self.metrics = MetricsLog(
             cfg.logging, self.run_dir, rank=self.rank, world_size=self.world,
             resume_step=self.state.step, run_config=cfg.as_dict(),
         )
         self.peak = peak_tflops(self.device, self.engine.compute_dtype)
         self.flops_per_step: float | None = None  # this rank's, counted on the first micro-batch
+        if self.state.flops.get("shape") == self._flops_shape():
+            self.flops_per_step = self.state.flops.get("per_step")
         if self.rank == 0:
             mark_started(self.run_dir)  # every rank has built its engine: `--detach` may report started
 
@@ -280,7 +273,7 @@ class Trainer:
         checkpoints = self.run_dir / CHECKPOINTS
         state = RunState(self.state.step, self.state.tokens,
                          self.state.train_seconds + time.perf_counter() - start, self.batches.state_dict(),
-                         **self._plan())
+                         **self._plan(), flops={"per_step": self.flops_per_step, "shape": self._flops_shape()})
         tag = checkpoint_tag(state.step)
         self.engine.save_checkpoint(checkpoints, tag=tag, client_state={"run_state": state.__dict__})
         self.last_save_step = state.step
@@ -298,6 +291,10 @@ class Trainer:
                 shutil.rmtree(checkpoints / old, ignore_errors=True)
                 self.written_tags.remove(old)
 
+    def _flops_shape(self) -> list:
+        t = self.cfg.training
+        return [self.world, t.micro_batch_size, t.gradient_accumulation_steps, self.cfg.data.seq_len]
+
     def _plan(self) -> dict:
         sched = self.engine.parsed_config.scheduler
         schedule = {"type": sched.type, "params": dict(sched.params)} if sched is not None else {}
@@ -314,7 +311,8 @@ class Trainer:
             # This run's own earlier checkpoints, up to the one resumed from, are its to prune.
             self.written_tags = run_tags_up_to(point.load_dir, self.state.step)
         if self.rank == 0:
-            log.info("resumed from %s at step %d", path, self.state.step)
+            why = "" if point.tag is None else " (newer than `latest`: its save was cut before moving it)"
+            print(f"resumed from {path} at step {self.state.step}{why}", flush=True)
             for change in _plan_changes(saved, self._plan()):
                 log.warning("resumed with a different %s", change)
 

@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import tempfile
 import weakref
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from functools import partial
 
 import torch
 
+from zerotrain.comm.fault_points import fault_point
 from zerotrain.config import ConfigError
 
 __all__ = ["NvmeStore"]
@@ -45,6 +47,8 @@ def _chunk_io(path: str, view: memoryview, offset: int, write: bool) -> None:
         done = 0
         while done < len(view):  # both calls may move fewer bytes than asked (signals, 2 GiB cap)
             n = os.pwrite(fd, view[done:], offset + done) if write else os.preadv(fd, [view[done:]], offset + done)
+            if write:
+                fault_point("nvme_write")  # part of a swap file written, the rest not
             if n == 0:
                 raise OSError(f"file ends at byte {offset + done}, expected {offset + len(view)} bytes")
             done += n
@@ -60,6 +64,20 @@ def _cleanup(pool: cf.ThreadPoolExecutor, directory: str, pid: int) -> None:  # 
         return  # a forked child (e.g. a DataLoader worker) exiting must not delete our files
     pool.shutdown(wait=True)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+_STORE_DIR = re.compile(r"zerotrain-rank\d+@([^@/]+)@(\d+)-")
+
+
+def _remove_orphans(path: str) -> None:
+    """Removes the store folders of processes that died without cleaning up (SIGKILL, OOM killer):
+    their swap files would otherwise fill the NVMe drive run after run. A folder whose process
+    still lives (ours, a concurrent job's) is left alone."""
+    for name in os.listdir(path):
+        match = _STORE_DIR.match(name)
+        # Only this machine's: an nvme_path another node shares holds folders of pids that live there.
+        if match and match.group(1) == socket.gethostname() and not os.path.exists(f"/proc/{match.group(2)}"):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
 
 
 _Op = collections.namedtuple("_Op", "kind tensor futures")  # kind: "read"/"write"; futures: one per chunk
@@ -91,8 +109,9 @@ class NvmeStore:
             raise ConfigError(f"nvme_path {path!r} does not exist: create it or point nvme_path at a local NVMe mount")
         if not os.path.isdir(path):
             raise ConfigError(f"nvme_path {path!r} is not a directory: point nvme_path at a directory on a local NVMe mount")
+        _remove_orphans(path)
         try:  # Creating our directory is the writability test (os.access lies for root and some mounts).
-            self.directory = tempfile.mkdtemp(prefix=f"zerotrain-rank{rank}-{os.getpid()}-", dir=path)
+            self.directory = tempfile.mkdtemp(prefix=f"zerotrain-rank{rank}@{socket.gethostname()}@{os.getpid()}-", dir=path)
         except OSError as exc:
             raise ConfigError(f"nvme_path {path!r} is not writable ({exc.strerror}): "
                               "fix its permissions or point nvme_path at a writable local NVMe mount") from exc
