@@ -340,3 +340,24 @@ def test_a_preflight_failure_stops_the_launch_before_any_rank_starts(ssh_cluster
     assert "pre-flight failed, nothing was started" in done.stderr
     assert re.search(r"127\.0\.0\.9\s+refused", done.stderr), done.stderr
     assert not list(tmp_path.glob("rank*.pid")) and not processes_with_env("ZEROTRAIN_JOB_ID", job)
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_on_another_node_ends_the_job_naming_it_with_every_stack(ssh_cluster, tmp_path):
+    # Rank 1 (the second node) freezes with SIGSTOP inside its third forward; rank 0 waits in the
+    # gradient reduction. training.hang_timeout turns the wait into an error that names rank 1.
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    job = f"hang-{uuid.uuid4().hex[:8]}"
+    argv = [zerotrain_script(), "train", "--hostfile", str(ssh_cluster.hostfile(slots=1)), "--nproc_per_node", "1",
+            "--ssh_args", ssh_cluster.ssh_args, "--master_port", str(free_port()), "--output.dir", str(tmp_path / "run"),
+            "--data.cache_dir", str(tmp_path / "cache"), "--training.max_steps", "8", "--training.eval_interval", "0",
+            "--training.micro_batch_size", "4", "--data.synthetic.num_examples", "400", "--training.hang_timeout", "8"]
+    env = {**_env(job), "ZEROTRAIN_FAULT": "forward:rank1:3:stop"}
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert "hang timeout: 8 s" in out  # said at the start
+    assert re.search(r"no progress for 8 s .*rank\(s\) 1 ", out), out[-3000:]
+    assert "--- rank 0 stack ---" in out and "in _train_step" in out
+    assert not processes_with_env("ZEROTRAIN_JOB_ID", job), "every process of the job is gone"

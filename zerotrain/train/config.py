@@ -157,6 +157,9 @@ class TrainingSection(ConfigSection):
     resume: str = "never"
     """"auto" (continue from the newest checkpoint in output.dir, if any), "never", or a checkpoint
     directory.  `zerotrain train --resume` sets "auto"."""
+    hang_timeout: NonNegativeFloat = 600.0
+    """Seconds a rank may wait for the others (a step, a collective) before the job stops with every
+    rank's stack and the ranks that did not arrive named; 0: wait forever."""
 
     @field_validator("betas")
     @classmethod

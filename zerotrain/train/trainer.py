@@ -32,6 +32,7 @@ from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory
 from zerotrain.train.model import build_model, decay_groups, enable_gradient_checkpointing, max_positions
 from zerotrain.train.progress import TrainingProgress
 from zerotrain.train.run_control import StopSignal, mark_started
+from zerotrain.train.hang_watch import HangWatch
 from zerotrain.train.run_state import RunState
 from zerotrain.train.run_folder import checkpoint_tag, clear_interrupted_saves, resolve_resume, run_tags_up_to
 from zerotrain.train.run_folder import tags_to_prune
@@ -135,6 +136,10 @@ class Trainer:
         params = sum(getattr(p, "ds_numel", p.numel()) for p in unique)  # whole sizes at ZeRO-3
         progress.note(f"model: {type(self.engine.module).__name__}, {params:,} parameters; {self.world} ranks, "
                       f"{self.tokens_per_step:,} tokens per step, {self.total_steps} steps")
+        self.hang = HangWatch(t.hang_timeout, self.rank, self.world)
+        if self.hang.enabled:
+            progress.note(f"hang timeout: {t.hang_timeout:g} s without progress stops the job and names the ranks "
+                          "that did not arrive (training.hang_timeout)")
         tokens_per_s = math.nan
         if t.eval_interval and first_step == 0:
             last_eval = self._evaluate(start)  # the baseline the later evaluations improve on
@@ -189,6 +194,7 @@ class Trainer:
             if stopped:
                 self.stop.consume()
         self.metrics.close()
+        self.hang.close()
         return summary
 
     def _train_step(self, count_flops: bool) -> torch.Tensor:
@@ -196,7 +202,9 @@ class Trainer:
         engine = self.engine
         total = torch.zeros((), device=self.device)
         for micro in range(engine.gradient_accumulation_steps()):
+            self.hang.at(self.state.step, "start")
             batch = next(self.batches)
+            self.hang.at(self.state.step, "forward")
             input_ids = batch["input_ids"].to(self.device, non_blocking=True)
             labels = batch["labels"].to(self.device, non_blocking=True)
             if count_flops and micro == 0:
@@ -208,7 +216,9 @@ class Trainer:
                 self.flops_per_step = float(counter.get_total_flops()) * engine.gradient_accumulation_steps()
             else:
                 loss = engine(input_ids=input_ids, labels=labels).loss
+                self.hang.at(self.state.step, "backward")
                 engine.backward(loss)
+            self.hang.at(self.state.step, "optimizer_step")
             engine.step()
             total += loss.detach().float()
         return total / engine.gradient_accumulation_steps()
@@ -253,6 +263,7 @@ class Trainer:
         engine.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in batches:
+            self.hang.at(self.state.step, "start")  # evaluating is progress too
             input_ids = batch["input_ids"].to(self.device)
             labels = batch["labels"].to(self.device)
             loss = engine(input_ids=input_ids, labels=labels).loss
