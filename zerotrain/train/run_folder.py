@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 from dataclasses import dataclass
@@ -170,6 +171,16 @@ def newest_complete_checkpoint(checkpoints: Path) -> ResumePoint | None:
                               or int(named[4:]) >= max(steps)):
         return ResumePoint(checkpoints)  # `latest` is the newest (or names a tag of its own kind)
     return ResumePoint(checkpoints, newest) if newest else None
+
+
+def publish_latest(checkpoints: Path, tag: str) -> None:
+    """Points `latest` at `tag`, atomically (write, fsync, rename), as a save's last act does."""
+    temporary = checkpoints / f".{LATEST}.tmp"
+    with open(temporary, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, checkpoints / LATEST)
 
 
 def clear_interrupted_saves(checkpoints: Path) -> list[str]:

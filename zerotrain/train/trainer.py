@@ -35,7 +35,7 @@ from zerotrain.train.run_control import StopSignal, mark_started
 from zerotrain.train.hang_watch import HangWatch
 from zerotrain.train.run_state import RunState
 from zerotrain.train.run_folder import checkpoint_tag, clear_interrupted_saves, resolve_resume, run_tags_up_to
-from zerotrain.train.run_folder import tags_to_prune
+from zerotrain.train.run_folder import publish_latest, tags_to_prune
 
 log = logging.getLogger("zerotrain")
 # Tests simulate a crash (every rank SIGKILLed right after this step) to check resumption.
@@ -296,6 +296,9 @@ class Trainer:
         if not (checkpoints / TOKENIZER_DIR).is_dir():
             # `zerotrain consolidate --hf` on these checkpoints writes the run's real tokenizer.
             self.tokenizer.save_pretrained(checkpoints / TOKENIZER_DIR)
+        self._prune(checkpoints)
+
+    def _prune(self, checkpoints: Path) -> None:
         keep = self.cfg.output.keep_checkpoints
         if keep:
             for old in tags_to_prune(checkpoints, self.written_tags, keep):
@@ -318,9 +321,14 @@ class Trainer:
         self.state = RunState(**saved)
         self.batches.load_state_dict(self.state.data)
         self.last_save_step = self.state.step
-        if point.load_dir.resolve() == (self.run_dir / CHECKPOINTS).resolve():
+        own = point.load_dir.resolve() == (self.run_dir / CHECKPOINTS).resolve()
+        if own:
             # This run's own earlier checkpoints, up to the one resumed from, are its to prune.
             self.written_tags = run_tags_up_to(point.load_dir, self.state.step)
+        if own and point.tag is not None and self.rank == 0:
+            # A tag newer than `latest` (its save was killed before moving it): finish that save's work.
+            publish_latest(point.load_dir, point.tag)
+            self._prune(point.load_dir)
         if self.rank == 0:
             why = "" if point.tag is None else " (newer than `latest`: its save was cut before moving it)"
             print(f"resumed from {path} at step {self.state.step}{why}", flush=True)
