@@ -2,21 +2,26 @@
 
 Each rank reads only the parameter ranges its own master shard covers (plus the
 whole parameters at stages 0-2, which every rank holds anyway, by all-gathering
-after the load). Nothing is unpickled beyond torch.load(weights_only=True).
+after the load). Nothing is unpickled beyond torch.load(weights_only=True), and what the
+files hold is checked before it reaches the engine: a checkpoint from elsewhere fails
+with a CheckpointError naming the file, never with an error from deep inside torch.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from zerotrain.checkpoint.coordination import Coordinator
 from zerotrain.checkpoint.errors import CheckpointError
-from zerotrain.checkpoint.layout import LATEST, MASTER, STATE, param_slices_in, rng_file
+from zerotrain.checkpoint.layout import LATEST, MASTER, META, STATE, param_slices_in, rng_file
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.saver import module_entries
 
@@ -48,10 +53,12 @@ def load_checkpoint(
             state = _load_torch_file(reader, reader.tag_dir / STATE)
             if load_optimizer_states:
                 _load_optimizer_state(engine, reader)
-            _load_counters(engine, reader.meta)
+            _load_counters(engine, reader)
             if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
-                engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            _load_rng(reader, reader.tag_dir / rng_file(engine.rank), same_world=reader.meta["world_size"] == engine.world_size)
+                with _blamed_on(reader, reader.tag_dir / STATE, "lr_scheduler"):
+                    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            same_world = reader.meta["world_size"] == engine.world_size
+            _load_rng(reader, reader.tag_dir / rng_file(engine.rank), same_world=same_world)
             client_state = state.get("client_state", {})
         path = str(reader.tag_dir)
     coord.meet("load_checkpoint:done")
@@ -67,6 +74,14 @@ def _check_names(engine, reader: CheckpointReader, strict: bool) -> None:
             f"{reader.tag_dir} does not match this model: missing {missing[:10]}, unexpected {unexpected[:10]} "
             "(pass load_module_strict=False to load the parameters that match)"
         )
+    for fp in engine.flat_params:  # a parameter of another size would load only partly, or not at all
+        for name, numel in zip(fp.names, fp.numels):
+            stored = _stored_numel(reader, name)
+            if stored is not None and stored != numel:
+                raise CheckpointError(
+                    f"{reader.tag_dir / META}: {name!r} has {stored} elements there, but {numel} in this model: "
+                    "the checkpoint is of another model"
+                )
 
 
 def _load_weights(engine, reader: CheckpointReader) -> None:
@@ -80,9 +95,24 @@ def _load_weights(engine, reader: CheckpointReader) -> None:
             fp.copy_master_to_shard()  # also when the shard is parked on NVMe
         engine.optimizer.all_gather_params()
         for name, t in module_entries(engine).items():
+            stored = _stored_numel(reader, name)
+            if stored is not None and stored != t.numel():
+                raise CheckpointError(
+                    f"{reader.tag_dir / META}: {name!r} has {stored} elements there, but {t.numel()} "
+                    f"({list(t.shape)}) in this model: the checkpoint is of another model"
+                )
             values = _read_values(reader, name, 0, t.numel())
             if values is not None:
                 t.data.copy_(values.view(t.shape))
+
+
+def _stored_numel(reader: CheckpointReader, name: str) -> int | None:
+    """How many elements the checkpoint has of `name` (None: it has none), from meta.json's checked shapes."""
+    if name in reader.params:
+        return reader.numel(name)
+    if name in reader.module_entries:
+        return math.prod(reader.module_entries[name]["shape"])
+    return None
 
 
 def _read_values(reader: CheckpointReader, name: str, start: int, numel: int) -> torch.Tensor | None:
@@ -97,6 +127,7 @@ def _read_values(reader: CheckpointReader, name: str, start: int, numel: int) ->
 def _load_optimizer_state(engine, reader: CheckpointReader) -> None:
     inner = engine.optimizer.optimizer
     meta = reader.meta
+    _check_optimizer_meta(reader)
     if len(meta["param_groups"]) != len(inner.param_groups):
         raise CheckpointError(
             f"{reader.tag_dir}: the checkpoint has {len(meta['param_groups'])} optimizer param groups, this engine "
@@ -124,17 +155,63 @@ def _load_optimizer_state(engine, reader: CheckpointReader) -> None:
     for group, saved in zip(inner.param_groups, meta["param_groups"]):
         for key, value in saved.items():
             if key in group:
+                if not _same_kind(group[key], value):
+                    raise CheckpointError(
+                        f"{reader.tag_dir / META}: param_groups gives {key} as {value!r:.60}, where this optimizer "
+                        f"has {group[key]!r:.60}; the file is corrupt, or pass load_optimizer_states=False"
+                    )
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
-def _load_counters(engine, meta: dict) -> None:
-    counters = meta["counters"]
+def _check_optimizer_meta(reader: CheckpointReader) -> None:
+    """param_groups and group_scalars of meta.json hold what `_load_optimizer_state` reads, or CheckpointError."""
+    meta, where = reader.meta, reader.tag_dir / META
+    groups, scalars = meta.get("param_groups"), meta.get("group_scalars")
+    if not isinstance(groups, list) or not isinstance(scalars, list) or len(groups) != len(scalars):
+        raise CheckpointError(
+            f"{where} has no usable optimizer description (param_groups and group_scalars, one per group): "
+            "it is corrupt or was not written by engine.save_checkpoint; pass load_optimizer_states=False"
+        )
+    for group, specs in zip(groups, scalars):
+        if not isinstance(group, dict) or not isinstance(specs, dict):
+            raise CheckpointError(f"{where}: an entry of param_groups or group_scalars is not an object")
+        for key, spec in specs.items():
+            dtype = spec.get("dtype") if isinstance(spec, dict) else "?"
+            value = spec.get("value") if isinstance(spec, dict) else None
+            if dtype is None:
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype) and number):
+                raise CheckpointError(
+                    f"{where}: group_scalars gives optimizer state {key!r:.60} as {spec!r:.80}, not "
+                    '{"value": NUMBER, "dtype": TORCH_DTYPE}; the file is corrupt'
+                )
+
+
+def _same_kind(current: object, saved: object) -> bool:
+    """Whether a param_groups value from meta.json can stand where the optimizer has `current`."""
+    if isinstance(current, bool):
+        return isinstance(saved, bool) or saved is None
+    if current is None:
+        return not isinstance(saved, (list, dict))
+    if isinstance(current, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    if isinstance(current, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(current) and all(_same_kind(c, s) for c, s in
+                                                                               zip(current, saved))
+    return isinstance(saved, type(current)) or not isinstance(saved, (list, dict))
+
+
+def _load_counters(engine, reader: CheckpointReader) -> None:
+    meta = reader.meta
+    counters = meta["counters"]  # whole numbers: read_meta checked them
     engine.global_steps = counters["global_steps"]
     engine.micro_steps = counters["micro_steps"]
     engine.skipped_steps = counters["skipped_steps"]
     engine.global_samples = counters["global_samples"]
     if engine.loss_scaler is not None and meta.get("loss_scaler"):
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+        with _blamed_on(reader, reader.tag_dir / META, "loss_scaler"):
+            engine.loss_scaler.load_state_dict(meta["loss_scaler"])
 
 
 def _load_rng(reader: CheckpointReader, path: Path, same_world: bool) -> None:
@@ -142,17 +219,38 @@ def _load_rng(reader: CheckpointReader, path: Path, same_world: bool) -> None:
     if not same_world or not path.is_file():
         return
     rng = _load_torch_file(reader, path)
-    torch.set_rng_state(rng["torch"])
-    version, state, gauss = rng["python"]
-    random.setstate((version, tuple(state), gauss))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    with _blamed_on(reader, path, "RNG states"):
+        torch.set_rng_state(rng["torch"])
+        version, state, gauss = rng["python"]
+        random.setstate((version, tuple(state), gauss))
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+@contextmanager
+def _blamed_on(reader: CheckpointReader, path: Path, what: str) -> Iterator[None]:
+    """Turns an error from restoring `what` out of `path` into a CheckpointError naming the file.
+
+    Those values reach torch, Python's random or a scheduler as they were saved: a file
+    of the wrong structure fails there with a KeyError or TypeError that names nothing.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as error:
+        problem = f"{type(error).__name__}: {error}"
+        raise reader.corrupt(f"cannot restore the {what} from {path}: {problem:.200}") from error
 
 
 def _load_torch_file(reader: CheckpointReader, path: Path) -> dict:
     if not path.is_file():
         raise reader.corrupt(f"missing checkpoint file {path}")
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        # weights_only: tensors and plain data only, so a crafted file cannot run code here.
+        loaded = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:
         raise reader.corrupt(f"cannot read {path}: truncated, corrupt or not weights-only data ({e})") from e
+    if not isinstance(loaded, dict):
+        raise reader.corrupt(f"cannot read {path}: it holds a {type(loaded).__name__}, not the dict a checkpoint saves")
+    return loaded

@@ -2,11 +2,15 @@
 
 Files are opened lazily with safetensors and only the requested slices are read,
 so a loader touches just what its shards need and consolidation streams one
-tensor at a time.
+tensor at a time. What the files claim is checked before it is used: the tag in
+`latest` must be a folder name in the checkpoint folder, meta.json must hold together
+(layout.read_meta), and each tensor's size in its shard file must be the one meta.json
+gives before any memory is taken for it.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 from collections import defaultdict
@@ -16,11 +20,22 @@ import torch
 from safetensors import safe_open
 
 from zerotrain.checkpoint.errors import CheckpointError, CorruptCheckpointError
-from zerotrain.checkpoint.layout import FORMAT, LATEST, META, MODULE, ParamSlice, read_meta, shard_file, slice_key
+from zerotrain.checkpoint.layout import (
+    LATEST, META, MODULE, ParamSlice, read_meta, shard_file, slice_key, tag_name_problem,
+)
+
+MAX_LATEST_BYTES = 4096
+"""`latest` holds one tag name; a larger file is not a `latest` and is not read whole."""
+# What the shard files store a slice (fp32 master or optimizer state) as, in safetensors' words.
+_SLICE_DTYPE = "F32"
 
 
 def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
-    """The directory of `tag` (or of the tag named in `latest`) under `load_dir`."""
+    """The directory of `tag` (or of the tag named in `latest`) under `load_dir`.
+
+    Either must name a folder directly inside `load_dir`: a path, `..` or a name starting
+    with '.' is refused with a CheckpointError naming where it came from.
+    """
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
@@ -28,16 +43,51 @@ def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
         latest = root / LATEST
         if not latest.is_file():
             raise CheckpointError(f"{latest} not found: pass a tag, or save a checkpoint into {root} first")
-        tag = latest.read_text().strip()
+        tag = read_latest(latest)
+    else:
+        problem = tag_name_problem(str(tag))
+        if problem:
+            raise CheckpointError(
+                f"checkpoint tag {str(tag)!r:.200} cannot be used: {problem}; a tag is the name of one folder in "
+                f"{root} (tags there: {', '.join(checkpoint_tags(root)) or 'none'})"
+            )
     tag_dir = root / str(tag)
     if not tag_dir.is_dir():
         # A save killed while replacing an existing tag leaves the old one parked aside.
-        parked = sorted(root.glob(f".old-{tag}-*"))
+        parked = sorted(root.glob(f".old-{glob.escape(str(tag))}-*"))
         if parked:
             return parked[-1]
         available = checkpoint_tags(root)
         raise CheckpointError(f"no checkpoint tag {tag!r} in {root} (available: {', '.join(available) or 'none'})")
     return tag_dir
+
+
+def read_latest(latest: Path) -> str:
+    """The tag the `latest` file at `latest` names, checked to be a plain folder name.
+
+    Reads at most MAX_LATEST_BYTES; a file that is too large, not UTF-8, empty, several lines,
+    or names a path raises a CheckpointError naming the file and the tags beside it.
+    """
+    def refused(problem: str) -> CheckpointError:
+        tags = ", ".join(checkpoint_tags(latest.parent)) or "none"
+        return CheckpointError(f"{latest} {problem}; write the name of one tag folder of {latest.parent} into it "
+                               f"(tags there: {tags}), or pass the tag to load")
+
+    try:
+        with open(latest, "rb") as file:
+            data = file.read(MAX_LATEST_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {latest}: {e.strerror or e}") from e
+    if len(data) > MAX_LATEST_BYTES:
+        raise refused(f"is larger than {MAX_LATEST_BYTES} bytes, so it names no tag")
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise refused(f"is not UTF-8 text (byte {e.start} cannot be decoded)") from None
+    problem = tag_name_problem(tag)
+    if problem:
+        raise refused(f"names the tag {tag!r:.120}, which cannot be a tag: {problem}")
+    return tag
 
 
 def checkpoint_tags(root: Path) -> list[str]:
@@ -89,6 +139,19 @@ class CheckpointReader:
                 raise self.corrupt(f"cannot read {path}: truncated or corrupt ({e})") from e
         return self._open_files[file]
 
+    def _stored(self, file: str, key: str) -> tuple[list[int], str]:
+        """The shape and safetensors dtype (e.g. "F32") of tensor `key` in `file`, from its header only."""
+        handle = self._file(file)
+        path = self.tag_dir / file
+        try:
+            stored = handle.get_slice(key)
+            return list(stored.get_shape()), stored.get_dtype()
+        except Exception as e:
+            if key not in handle.keys():  # looked up only now: listing every key costs as much as the header
+                missing = f"{path} has no tensor {key!r:.200}, which {META} lists (a shard of another save?)"
+                raise self.corrupt(missing) from e
+            raise self.corrupt(f"cannot read {key!r} from {path}: truncated or corrupt ({e})") from e
+
     def _read(self, file: str, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         try:
             handle = self._file(file)
@@ -113,20 +176,29 @@ class CheckpointReader:
         """Elements [start, end) of flattened parameter `name`'s `kind` ("master" or an optimizer state)."""
         if name not in self.params:
             raise CheckpointError(f"{self.tag_dir}: no parameter {name!r} in this checkpoint")
-        out = torch.empty(end - start, dtype=torch.float32)
-        covered = 0
+        pieces = []
         for s in self._slices[name]:
             a, b = max(start, s.start), min(end, s.start + s.numel)
-            if a >= b:
-                continue
-            piece = self._read(s.file, slice_key(kind, name, s.start), a - s.start, b - s.start)
-            out[a - start : b - start].copy_(piece)
-            covered += b - a
-        if covered != end - start:
+            if a < b:
+                pieces.append((s, a, b))
+        if sum(b - a for _, a, b in pieces) != end - start:
             raise CheckpointError(
                 f"{self.tag_dir}: elements [{start}, {end}) of {name!r} are not all present in the shard files "
                 "(a missing or foreign shard?)"
             )
+        for s, _, _ in pieces:  # before taking memory: the sizes the files hold, not the ones meta.json claims
+            key = slice_key(kind, name, s.start)
+            shape, dtype = self._stored(s.file, key)
+            if shape != [s.numel] or dtype != _SLICE_DTYPE:
+                raise self.corrupt(
+                    f"{self.tag_dir / s.file}: tensor {key!r:.200} is {dtype} of shape {shape}, but {META} lists "
+                    f"a slice of {s.numel} elements, stored as {_SLICE_DTYPE} (float32); the shard file and {META} "
+                    "do not belong together"
+                )
+        out = torch.empty(end - start, dtype=torch.float32)
+        for s, a, b in pieces:
+            piece = self._read(s.file, slice_key(kind, name, s.start), a - s.start, b - s.start)
+            out[a - start : b - start].copy_(piece)
         return out
 
     def read_param(self, kind: str, name: str) -> torch.Tensor:
@@ -134,8 +206,25 @@ class CheckpointReader:
         return self.read_range(kind, name, 0, self.numel(name)).view(self.params[name]["shape"])
 
     def read_module(self, name: str) -> torch.Tensor:
-        """A frozen parameter or persistent buffer, stored whole by rank 0."""
-        return self._read(shard_file(0), slice_key(MODULE, name, 0))
+        """A frozen parameter or persistent buffer, stored whole by rank 0, checked against meta.json."""
+        info = self.module_entries.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.tag_dir}: no frozen parameter or buffer {name!r} in this checkpoint")
+        file, key = shard_file(0), slice_key(MODULE, name, 0)
+        shape, _ = self._stored(file, key)
+        if shape != list(info["shape"]):
+            raise self.corrupt(
+                f"{self.tag_dir / file}: tensor {key!r:.200} has shape {shape}, but {META} gives {info['shape']}; "
+                f"the shard file and {META} do not belong together"
+            )
+        tensor = self._read(file, key)
+        wanted = getattr(torch, info["dtype"].removeprefix("torch."), None)
+        if tensor.dtype != wanted:
+            raise self.corrupt(
+                f"{self.tag_dir / file}: tensor {key!r:.200} is {str(tensor.dtype).removeprefix('torch.')}, but "
+                f"{META} gives {info['dtype']!r:.40}; the shard file and {META} do not belong together"
+            )
+        return tensor
 
 
 def previous_tag(tag_dir: Path) -> str | None:
@@ -167,7 +256,7 @@ def previous_tag(tag_dir: Path) -> str | None:
 def _saved_step(tag_dir: Path) -> int | None:
     try:
         return int(json.loads((tag_dir / META).read_text())["counters"]["global_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):  # garbled: go by the name
         digits = re.findall(r"\d+", tag_dir.name)
         return int(digits[-1]) if digits else None
 
@@ -175,9 +264,7 @@ def _saved_step(tag_dir: Path) -> int | None:
 def _intact(tag_dir: Path) -> bool:
     """meta.json reads, and every shard file it lists opens (headers only: cheap at any size)."""
     try:
-        meta = json.loads((tag_dir / META).read_text())
-        if meta.get("format") != FORMAT:
-            return False
+        meta = read_meta(tag_dir)  # checked, so its file names are plain names inside tag_dir
         for file in meta["files"]:
             with safe_open(str(tag_dir / file), framework="pt", device="cpu"):
                 pass

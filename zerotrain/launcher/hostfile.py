@@ -11,6 +11,10 @@ The formats are DeepSpeed's, so an existing DeepSpeed setup works unchanged:
 Where DeepSpeed raises a bare ``ValueError`` (or crashes later on an empty
 selection), every problem here is a :class:`HostfileError` that says which
 file and line or which flag is wrong, and how to write it instead.
+
+A host name goes to ssh as an argument, so it must be a plain name or address:
+one starting with '-' would be read as an ssh option (``-oProxyCommand=...``
+runs a command here), and one holding shell or markup characters is no host.
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ _EXAMPLE_LINE = "worker-1 slots=8"
 _EXAMPLE_FILTER = "worker-0@worker-1:0,2"
 # Hosts listed in an error before "and N more": enough to spot a typo, short enough to read.
 _MAX_HOSTS_SHOWN = 8
+# Letters, digits, '.', '-', '_' (names) and ':' (IPv6); never a leading '-' (an ssh option) or '.'.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9._:-]*")
+MAX_HOST_NAME_LENGTH = 253
+"""The longest DNS name; a longer "host" is not one."""
+MAX_SLOTS = 1024
+"""Slots one host may have: far above any machine's GPUs, and low enough that listing them is cheap."""
+MAX_HOSTFILE_BYTES = 16 * 2**20
+"""A hostfile larger than this is not one (a million hosts fit in less)."""
+# Characters of a bad line or name quoted in an error: a 10 MB line must not become a 10 MB message.
+_MAX_QUOTED = 80
 
 
 class HostfileError(LaunchError):
@@ -52,13 +66,13 @@ def parse_hostfile_text(text: str, source: str) -> dict[str, int]:
         content = raw_line.split("#", 1)[0].strip()
         if not content:
             continue
-        where = f"{source}:{line_number}: `{raw_line.strip()}`"
+        where = f"{source}:{line_number}: `{_quoted(raw_line.strip())}`"
         tokens = content.split()
         problem = _host_line_problem(tokens)
         if problem:
             problems.append(f"{where}: {problem}")
             continue
-        host, slots = tokens[0], int(tokens[1][len(_SLOTS_KEY):])
+        host, slots = tokens[0], _bounded_int(tokens[1][len(_SLOTS_KEY):])
         if host in hosts:
             problems.append(
                 f"{where}: host {host} is already listed on line {first_line_of[host]}; "
@@ -79,11 +93,43 @@ def parse_hostfile_text(text: str, source: str) -> dict[str, int]:
     return hosts
 
 
+def _quoted(text: str) -> str:
+    """`text` as shown in an error: control characters escaped, cut to _MAX_QUOTED characters."""
+    shown = text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+    return shown if len(shown) <= _MAX_QUOTED else shown[:_MAX_QUOTED] + f"... ({len(text)} characters)"
+
+
+def _bounded_int(digits: str) -> int:
+    """The value of an ASCII digit string, capped at 10**18 (int() refuses strings of over 4300 digits)."""
+    significant = digits.lstrip("0")
+    return int(significant or "0") if len(significant) <= 18 else 10**18
+
+
+def host_name_problem(host: str) -> str | None:
+    """Why `host` cannot be a host name given to ssh (``None`` when it can)."""
+    if len(host) > MAX_HOST_NAME_LENGTH:
+        return f"the host name is {len(host)} characters long; host names have at most {MAX_HOST_NAME_LENGTH}"
+    if host.startswith("-"):
+        return (f"the host name `{_quoted(host)}` starts with '-', so ssh would read it as an option, "
+                f"not a host")
+    if not _HOST_NAME.fullmatch(host):
+        bad = sorted({c for c in host if not (c.isascii() and (c.isalnum() or c in "._:-"))})
+        shown = " ".join(repr(c) for c in bad[:8]) or "a leading '.'"
+        return f"the host name `{_quoted(host)}` holds {shown}, which no host name can"
+    return None
+
+
 def _host_line_problem(tokens: list[str]) -> str | None:
     """What is wrong with a hostfile line split into `tokens` (``None`` when it is fine)."""
     host = tokens[0]
     if host.startswith(_SLOTS_KEY):
         return f"the line has no host name before `{host}`; write it as `HOSTNAME {host}`, e.g. `{_EXAMPLE_LINE}`."
+    bad_name = host_name_problem(host)
+    if bad_name:
+        return (
+            f"{bad_name}: write the machine's name or address (letters, digits, '.', '-', '_', ':'), "
+            f"or give it a short alias with a Host entry in ~/.ssh/config."
+        )
     # What the user most likely meant, for the fix we suggest.
     slot_text = _intended_slot_count(tokens[1:])
     fix = f"write it as `{host} slots={slot_text or 'N'}`" + (
@@ -103,11 +149,16 @@ def _host_line_problem(tokens: list[str]) -> str | None:
         return f"expected `slots=N` after the host name, found `{setting}`; {fix}."
     count = setting[len(_SLOTS_KEY):]
     if not _WHOLE_NUMBER.fullmatch(count):
-        return f"the slot count `{count}` is not a whole number; {fix}."
-    if int(count) < 1:
+        return f"the slot count `{_quoted(count)}` is not a whole number; {fix}."
+    if _bounded_int(count) < 1:
         return (
             f"a host needs at least 1 slot, this one has {int(count)}; give it slots=1 or more, "
             f"or comment the line out with # to leave {host} out of the job."
+        )
+    if _bounded_int(count) > MAX_SLOTS:
+        return (
+            f"the slot count `{_quoted(count)}` is more than the {MAX_SLOTS} a host may have; slots are the "
+            f"GPUs (or processes) to use on {host}: write the real number, e.g. `{host} slots=8`."
         )
     return None
 
@@ -119,14 +170,21 @@ def _intended_slot_count(words: list[str]) -> str | None:
         joined = joined[len(_SLOTS_KEY):]
     elif len(words) != 1:
         return None
-    return joined if _WHOLE_NUMBER.fullmatch(joined) and int(joined) > 0 else None
+    return joined if _WHOLE_NUMBER.fullmatch(joined) and 0 < _bounded_int(joined) <= MAX_SLOTS else None
 
 
 def parse_hostfile(path: str | os.PathLike[str]) -> dict[str, int]:
     """Hosts and slot counts, in file order, from the hostfile at `path`."""
     try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
+        with open(path, "rb") as file:
+            data = file.read(MAX_HOSTFILE_BYTES + 1)  # bounded: a huge or endless file is refused, not read
+        if len(data) > MAX_HOSTFILE_BYTES:
+            raise HostfileError(
+                f"hostfile {os.fspath(path)} is larger than {MAX_HOSTFILE_BYTES // 2**20} MiB, which no list of "
+                f"hosts is; check the path given to --hostfile (it should hold `HOST slots=N` lines)."
+            )
+        # Line ends as text mode reads them: a lone \r ends a line too (so what follows it is a host line).
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except FileNotFoundError:
         raise HostfileError(f"hostfile {os.fspath(path)} does not exist; check the path given to --hostfile.") from None
     except OSError as err:
@@ -199,7 +257,8 @@ def _parse_filter(flag: str, spec: str) -> dict[str, set[int] | None]:
             f" Write hosts separated by '@', each optionally followed by ':' and comma-separated slot numbers, "
             f"e.g. {flag} {_EXAMPLE_FILTER}"
         )
-        return HostfileError(f"{flag} {spec!r}: {problem}." + (grammar if show_grammar else ""))
+        shown = repr(spec) if len(spec) <= _MAX_QUOTED else f"{spec[:_MAX_QUOTED]!r}... ({len(spec)} characters)"
+        return HostfileError(f"{flag} {shown}: {problem}." + (grammar if show_grammar else ""))
 
     for entry in spec.split("@"):
         entry = entry.strip()
@@ -220,7 +279,11 @@ def _parse_filter(flag: str, spec: str) -> dict[str, set[int] | None]:
                 if not item:
                     raise fail(f"empty slot number in {entry!r}")
                 if not _WHOLE_NUMBER.fullmatch(item):
-                    raise fail(f"slot {item!r} on {host} is not a whole number; slots are GPU indices such as 0 or 3")
+                    raise fail(f"slot {item[:_MAX_QUOTED]!r} on {host} is not a whole number; slots are GPU indices "
+                               f"such as 0 or 3")
+                if _bounded_int(item) >= MAX_SLOTS:
+                    raise fail(f"slot {_quoted(item)} on {host} is past the {MAX_SLOTS} slots a host may have; "
+                               f"slots are GPU indices such as 0 or 3")
                 slots.add(int(item))
         if host in named and (named[host] is None) != (slots is None):
             # DeepSpeed silently keeps only the listed slots here; say so instead of guessing.

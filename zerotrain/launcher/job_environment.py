@@ -69,6 +69,11 @@ _EXPORT = re.compile(r"export\s+")
 # What a backslash means inside double quotes; any other backslash is kept as written.
 _DOUBLE_QUOTE_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "$": "$"}
 _UNDECODABLE = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, kept as surrogates by the reader
+MAX_ENV_FILE_BYTES = 16 * 2**20
+"""An env file larger than this is refused: no environment is that large, so it is the wrong file."""
+MAX_VARIABLE_BYTES = 128 * 2**10
+"""Linux's limit on one ``KEY=VALUE`` string of a new process (MAX_ARG_STRLEN): a longer variable
+would make every rank fail to start ("Argument list too long"), so it is skipped with a warning."""
 
 
 class EnvFileError(LaunchError):
@@ -124,6 +129,14 @@ def parse_env_file_text(text: str, source: str) -> tuple[dict[str, str], list[st
         value, warning = _unquote(raw_value, key)
         if warning:
             warnings.append(f"{source}:{number}: {warning}")
+        size = len(f"{key}={value}".encode("utf-8", "surrogateescape")) + 1  # with its NUL, as the kernel counts
+        if size > MAX_VARIABLE_BYTES:
+            warnings.append(
+                f"{source}:{number}: skipped {key}: it is {size} bytes long, more than the "
+                f"{MAX_VARIABLE_BYTES // 2**10} KiB Linux allows one environment variable, so no rank could start "
+                f"with it; shorten it, or pass the data in a file and its path in {key}."
+            )
+            continue
         values[key] = value
     flush_skipped()
     return values, warnings
@@ -227,6 +240,12 @@ def _same_file(first: Path, second: Path) -> bool:
 
 def _read_env_file(path: Path) -> str:
     try:
+        # Only regular files get here (env_file_paths), so their size is known before reading them whole.
+        if path.stat().st_size > MAX_ENV_FILE_BYTES:
+            raise EnvFileError(
+                f"env file {path} is larger than {MAX_ENV_FILE_BYTES // 2**20} MiB, more than any environment "
+                f"holds; it should hold KEY=VALUE lines: move it away, or set {ENV_FILE_VARIABLE} to the right file."
+            )
         # surrogateescape: one stray non-UTF-8 byte then skips its line instead of the whole file.
         return path.read_text(encoding="utf-8", errors="surrogateescape")
     except OSError as err:
