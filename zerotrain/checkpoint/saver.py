@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from zerotrain.comm.fault_points import fault_point
 from zerotrain.checkpoint.coordination import Coordinator
 from zerotrain.checkpoint.errors import CheckpointError
+from zerotrain.checkpoint.reader import read_latest
 from zerotrain.checkpoint.file_mode import default_file_mode
 from zerotrain.checkpoint.layout import (
     FORMAT, LATEST, MASTER, META, MODULE, STATE, param_slices_in, rng_file, save_range, shard_file, slice_key,
@@ -106,7 +107,10 @@ def _save_failure_message(root: Path, tag: str, failures: list[str], needed: int
         free = f"{decimal(shutil.disk_usage(root).free)} free there"
     except OSError:
         free = "free space unknown"
-    previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    try:
+        previous = read_latest(root / LATEST) if (root / LATEST).is_file() else None
+    except CheckpointError:
+        previous = None  # unreadable: say nothing of it
     kept = f"the previous checkpoint {previous!r} is intact and resumable" if previous else "no earlier checkpoint exists"
     return (
         f"could not save checkpoint {tag!r} in {root}: " + "; ".join(failures) + ". "

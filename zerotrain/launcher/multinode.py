@@ -141,7 +141,7 @@ def _print_plan(nodes: Sequence[Node], master: str, console: Console) -> None:
     for column in ("node rank", "host", "slots", "ranks"):
         table.add_column(column)
     for node in nodes:
-        table.add_row(str(node.node_rank), node.host, ",".join(map(str, node.slots)),
+        table.add_row(str(node.node_rank), escape(node.host), ",".join(map(str, node.slots)),
                       f"{node.ranks.start}-{node.ranks.stop - 1}")
     console.print(table)
 

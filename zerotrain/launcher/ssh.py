@@ -67,7 +67,7 @@ def ssh_argv(host: str, remote_command: str, options: SshOptions) -> list[str]:
     The remote side hands `remote_command` to the user's login shell as one string:
     quote every value in it with ``shlex.quote`` (or build it with ``shlex.join``).
     """
-    return ["ssh", "-T", *_option_args(options), host, remote_command]
+    return ["ssh", "-T", *_option_args(options), "--", host, remote_command]  # "--": a host is never an option
 
 
 def _run_ssh(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -85,7 +85,7 @@ def resolved_address(host: str, options: SshOptions) -> str:
     """
     try:
         result = _run_ssh(
-            ["ssh", "-G", *_option_args(options), host],
+            ["ssh", "-G", *_option_args(options), "--", host],
             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30,
         )
     except subprocess.TimeoutExpired as error:

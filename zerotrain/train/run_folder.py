@@ -163,14 +163,30 @@ def resolve_resume(resume: str, run_dir: Path) -> ResumePoint | None:
 def newest_complete_checkpoint(checkpoints: Path) -> ResumePoint | None:
     """The run's newest complete checkpoint: `latest`'s tag, or a newer one a save published but
     was killed before moving `latest` to (a tag folder appears, by rename, only once complete)."""
-    steps = [int(p.name[4:]) for p in checkpoints.glob("step*") if p.name[4:].isdigit() and is_checkpoint_tag(p)]
-    latest = checkpoints / LATEST
-    named = latest.read_text().strip() if latest.is_file() else None
+    steps = [int(p.name[4:]) for p in checkpoints.glob("step*") if _step_number(p.name) and is_checkpoint_tag(p)]
+    named = _latest_tag(checkpoints)  # None: no `latest`, or one that is unreadable (then the newest tag)
     newest = checkpoint_tag(max(steps)) if steps else None
-    if named is not None and (newest is None or not named.startswith("step") or not named[4:].isdigit()
-                              or int(named[4:]) >= max(steps)):
+    if named is not None and (newest is None or not _step_number(named) or int(named[4:]) >= max(steps)):
         return ResumePoint(checkpoints)  # `latest` is the newest (or names a tag of its own kind)
     return ResumePoint(checkpoints, newest) if newest else None
+
+
+def _step_number(name: str) -> bool:
+    """Whether `name` is a `stepN` tag name with a number of sane length."""
+    return name.startswith("step") and name[4:].isdigit() and len(name) <= 24
+
+
+def _latest_tag(checkpoints: Path) -> str | None:
+    """The tag `latest` names, or None when there is none or it is unreadable (checkpoint/reader.py)."""
+    from zerotrain.checkpoint.errors import CheckpointError
+    from zerotrain.checkpoint.reader import read_latest
+
+    if not (checkpoints / LATEST).is_file():
+        return None
+    try:
+        return read_latest(checkpoints / LATEST)
+    except CheckpointError:
+        return None
 
 
 def publish_latest(checkpoints: Path, tag: str) -> None:
@@ -210,8 +226,7 @@ def run_tags_up_to(checkpoints: Path, step: int) -> list[str]:
 
 def tags_to_prune(checkpoints: Path, written_by_this_run: list[str], keep: int) -> list[str]:
     """The tags `output.keep_checkpoints` removes: this run's own, oldest first, never `latest`'s."""
-    latest_file = checkpoints / LATEST
-    latest = latest_file.read_text().strip() if latest_file.is_file() else None
+    latest = _latest_tag(checkpoints)
     ours = [tag for tag in written_by_this_run if tag != latest and (checkpoints / tag).is_dir()]
     keep_others = max(0, keep - (1 if latest is not None else 0))
     return ours[: max(0, len(ours) - keep_others)]
