@@ -98,7 +98,10 @@ def _expected_names(config: dict) -> tuple[list[list[str]], set[str]] | None:
 
         cfg = transformers.AutoConfig.for_model(**config)
         arch = (config.get("architectures") or [""])[0]
-        build = getattr(transformers, arch, None) or transformers.AutoModelForCausalLM.from_config
+        named = getattr(transformers, arch, None) if arch.isidentifier() else None
+        # Only a model class: meta.json comes from disk, and must not pick any callable of transformers.
+        build = named if isinstance(named, type) and issubclass(named, transformers.PreTrainedModel) \
+            else transformers.AutoModelForCausalLM.from_config
         with torch.device("meta"):  # shapes only: no memory, no init cost
             model = build(cfg)
     except Exception:  # noqa: BLE001 - any failure here only means we cannot check
