@@ -17,11 +17,13 @@ to the agent, SIGKILL included, and still cleans up the node.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +77,8 @@ def _listen_to_launcher(job: NodeJob, node_rank: int, agent: subprocess.Popen, s
 def supervise(job: NodeJob, *, listen: bool) -> int:
     """Runs the node's share of `job` and returns its exit status; prints the result line last."""
     node_rank = job.resolved_node_rank()
+    if not job.host:  # started by srun for every node at once: this node's name labels its lines
+        job = dataclasses.replace(job, host=os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     if not os.path.isdir(job.cwd):
         _emit_result({"host": job.host, "exitcode": 2, "error": f"working directory {job.cwd} does not exist on "
                       f"{job.host}: use the same path on every node (a shared filesystem), or launch from one that exists"})

@@ -48,7 +48,7 @@ class NodeSession:
 
     @property
     def host(self) -> str:
-        return self.job.host
+        return self.job.host or "srun"  # one session starts every Slurm node's agent
 
     def start(self) -> None:
         self._process = subprocess.Popen(
