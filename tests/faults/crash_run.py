@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import zerotrain_script  # noqa: E402
+from free_ports import free_port  # noqa: E402
 
 STEPS = 6
 SAVE_EVERY = 2
@@ -59,8 +60,10 @@ class Trial:
 
 
 def job_args(run: Path, stage: int, nvme: Path | None, cache: Path) -> list[str]:
+    # A port of this test worker's own block: a default port picked as free can be taken by another
+    # worker's job before the rendezvous binds it.
     args = ["train", "--output.dir", str(run), "--data.cache_dir", str(cache), *JOB,
-            "--zero.zero_optimization.stage", str(stage)]
+            "--zero.zero_optimization.stage", str(stage), "--master_port", str(free_port())]
     if nvme is not None:
         args += ["--zero.zero_optimization.offload_optimizer", f"{{device: nvme, nvme_path: {nvme}}}"]
     return args
@@ -151,8 +154,8 @@ def run_trial(tmp: Path, stage: int, point: str, victim: str, n: int, expected: 
     latest = checkpoints / "latest"
     if latest.exists() and not (checkpoints / latest.read_text().strip() / "meta.json").is_file():
         trial.problems.append(f"`latest` names an incomplete tag: {latest.read_text().strip()!r}")
-    resumed = subprocess.run([zerotrain_script(), *args, "--training.resume", "auto"], env=environment(),
-                             capture_output=True, text=True, timeout=300)
+    again = [zerotrain_script(), *job_args(run, stage, nvme, tmp / "cache"), "--training.resume", "auto"]
+    resumed = subprocess.run(again, env=environment(), capture_output=True, text=True, timeout=300)
     said = [line for line in resumed.stdout.splitlines() if "resumed from" in line or "starting from step 0" in line]
     trial.resumed_from = said[0] if said else ""
     if resumed.returncode != 0:

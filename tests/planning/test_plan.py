@@ -157,12 +157,13 @@ def test_zerotrain_estimate_prints_every_rung_and_json(zerotrain_cli):
     done = zerotrain_cli("estimate", "llama", *_overrides(), "--gpus-per-node", "2", "--seq-len", "128",
                          "--gpu-memory", "2GB", "--cpu-memory", "8GB", check=True)
     lines = done.stdout.splitlines()
-    rows = [line.split() for line in lines if line[:1].isdigit()]
+    rows = [line.split() for line in lines if line[:1].isdigit() and line.split()[1] in ("gpu", "cpu", "nvme")]
     assert len(rows) == 18 and rows[0][:4] == ["0", "gpu", "gpu", "no"]
     assert rows[0][-1] == "yes"
     assert rows[-1][:4] == ["3", "nvme", "nvme", "yes"] and rows[-1][-1] == "no"  # no --nvme
     # A tiny model's figures are in MiB, not rows of 0.00 GiB; the table fits 100 columns unless --wide.
-    assert "MiB per GPU" in done.stdout and max(len(line) for line in lines if line[:1].isdigit()) <= 100
+    assert "MiB per GPU" in done.stdout and max(len(" ".join(row)) for row in rows) <= 100
+    assert max(len(line) for line in lines if line.split()[:1] and line.split()[0].isdigit()) <= 100
     wide = zerotrain_cli("estimate", "llama", *_overrides(), "--wide", check=True).stdout
     assert "activ" in wide and "activ" not in done.stdout
     assert "seq 128, micro-batch 1, bf16, sdpa attention" in done.stdout
