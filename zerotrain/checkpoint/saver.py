@@ -85,7 +85,7 @@ def _finish_on_rank0(engine, coord, root: Path, tmp: Path, tag: str, reports: li
             if save_latest:
                 coord.pause_point("before_latest")
                 fault_point("before_latest")
-                _atomic_write_text(root / LATEST, tag)
+                publish_latest(root, tag)
             write_zero_to_fp32_script(root)  # as DeepSpeed: the folder carries its own converter
             return None
         except OSError as error:
@@ -224,6 +224,11 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
     if parked is not None:
         shutil.rmtree(parked, ignore_errors=True)
+
+
+def publish_latest(root: str | os.PathLike, tag: str) -> None:
+    """Points ROOT/latest at `tag`: a save's last act (also a resume's from a tag newer than `latest`)."""
+    _atomic_write_text(Path(root) / LATEST, tag)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

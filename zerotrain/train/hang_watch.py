@@ -1,7 +1,8 @@
 """HangWatch: a job whose ranks stop meeting ends with an error naming them, not a silent wait.
 
-Every rank publishes where it is (step and phase: forward, backward, optimizer step) in the job's
-TCP store as it goes, and a heartbeat once a second from a thread of its own. A thread on every
+Every rank notes where it is (step and phase: forward, backward, optimizer step) as it goes, in
+memory; a thread of its own publishes that and a heartbeat in the job's TCP store once a second,
+so the training step itself never waits on the store. A thread on every
 rank checks: when its rank has not moved for `training.hang_timeout` seconds, it raises the alarm in
 the store. Each rank that can still run then prints its Python stack (every thread); the rank that
 raised it names the ranks that did not arrive (behind the furthest step and phase, or not running
@@ -41,26 +42,21 @@ class HangWatch:
         # A client of its own: the main thread may be blocked inside the process group.
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                    is_master=False, timeout=timedelta(seconds=60))
-        self._publish()
         threading.Thread(target=self._watch, name="zerotrain-hang-watch", daemon=True).start()
 
     def at(self, step: int, phase: str) -> None:
         """Where this rank is now: `phase` of `step`."""
         self._where = (step, PHASES.index(phase))
         self._moved = time.monotonic()
-        if self.enabled:
-            self._publish()
 
     def close(self) -> None:
         self._closed.set()
 
-    def _publish(self) -> None:
-        step, phase = self._where
-        self.store.set(f"{_PREFIX}at/{self.rank}", f"{step} {phase}")
-
     def _watch(self) -> None:
         while not self._closed.wait(_BEAT_S):
             try:
+                step, phase = self._where
+                self.store.set(f"{_PREFIX}at/{self.rank}", f"{step} {phase}")
                 self.store.set(f"{_PREFIX}beat/{self.rank}", repr(time.time()))
                 if self.store.check([f"{_PREFIX}alarm"]):
                     self._stop(None)

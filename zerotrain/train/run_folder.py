@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 from dataclasses import dataclass
@@ -187,16 +186,6 @@ def _latest_tag(checkpoints: Path) -> str | None:
         return read_latest(checkpoints / LATEST)
     except CheckpointError:
         return None
-
-
-def publish_latest(checkpoints: Path, tag: str) -> None:
-    """Points `latest` at `tag`, atomically (write, fsync, rename), as a save's last act does."""
-    temporary = checkpoints / f".{LATEST}.tmp"
-    with open(temporary, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, checkpoints / LATEST)
 
 
 def clear_interrupted_saves(checkpoints: Path) -> list[str]:

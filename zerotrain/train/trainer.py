@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import zerotrain
 from zerotrain.checkpoint.hf_export import TOKENIZER_DIR
+from zerotrain.checkpoint.saver import publish_latest
 from zerotrain.comm.distributed import device_for, init_distributed
 from zerotrain.profiling.device_peaks import peak_tflops
 from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory
@@ -35,7 +36,7 @@ from zerotrain.train.run_control import StopSignal, mark_started
 from zerotrain.train.hang_watch import HangWatch
 from zerotrain.train.run_state import RunState
 from zerotrain.train.run_folder import checkpoint_tag, clear_interrupted_saves, resolve_resume, run_tags_up_to
-from zerotrain.train.run_folder import publish_latest, tags_to_prune
+from zerotrain.train.run_folder import tags_to_prune
 
 log = logging.getLogger("zerotrain")
 # Tests simulate a crash (every rank SIGKILLed right after this step) to check resumption.
