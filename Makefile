@@ -33,7 +33,7 @@ XDIST   := -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 # and timeouts (2 workers kept 2 cores 73% busy, 20:48 for the suite in the CI of 2026-11-27).
 TEST_WORKERS ?= 3
 
-# The whole suite (CI runs this; under 20 minutes on 2 cores). It includes the dry GPU check,
+# The whole suite (CI runs this; about 20 minutes on 2 cores: 20:05 on 2026-11-27, the target is under 20). It includes the dry GPU check,
 # which installs the GPU wheels. Prints the 30 slowest tests; pytest's last line is the wall time.
 test: install gpu-wheels
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=30
