@@ -6,7 +6,7 @@ import argparse
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    from zerotrain.bench import comm, report, runner, split
+    from zerotrain.bench import comm, compute, report, runner, split
 
     bench = subparsers.add_parser(
         "bench",
@@ -19,3 +19,4 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     runner.add_parser(commands)
     report.add_parser(commands)
     comm.add_parser(commands)
+    compute.add_parser(commands)

@@ -5,14 +5,22 @@ shard files. Consolidation plans the output files from the shapes in meta.json,
 then reads one tensor at a time and writes each output file as soon as its
 tensors are collected, so memory stays near one output shard, never the model.
 The Hugging Face directory export builds on this in hf_export.py.
+
+Every output is written where no loader looks and published at the end (`staged_output`),
+so a run killed at any moment, SIGKILL included, leaves no partial output that looks
+complete, and the checkpoint read is never written to.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
-from collections.abc import Callable
+import shutil
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +31,7 @@ from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.file_mode import default_file_mode
 from zerotrain.checkpoint.layout import MASTER, META
 from zerotrain.checkpoint.reader import CheckpointReader
+from zerotrain.comm.fault_points import fault_point
 
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = {
@@ -168,13 +177,160 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(temp, path)
 
 
-def _remove_stale_weights(directory: Path, file_name: str, written: list[Path]) -> None:
-    # An old sharded export next to a new single file (or the reverse) would be loaded instead of it.
+CONFIG_NAME = "config.json"  # a Hugging Face model folder's: with the weights, what makes it loadable
+STAGE_NAME = "consolidate"  # the staging folder inside an existing output folder: .consolidate.tmp-HOST-PID
+_TEMP = re.compile(r"\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)")
+"""A staging folder `.NAME.tmp-HOST-PID`, or an earlier version's temporary file `.NAME.tmp-PID`."""
+
+
+def _temp_name(name: str) -> str:
+    return f".{name}.tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def _weights_pattern(file_name: str) -> re.Pattern:
+    """Every weights file name of one output, in either layout: FILE, its shards, and its index."""
     stem, suffix = os.path.splitext(file_name)
-    pattern = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(suffix)}(\.index\.json)?")
-    for path in directory.iterdir():
-        if pattern.fullmatch(path.name) and path not in written:
-            path.unlink()
+    return re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(suffix)}(\.index\.json)?")
+
+
+def _is_marker(name: str) -> bool:
+    """Files that say a folder holds a whole model: the shard index and the Hugging Face config."""
+    return name.endswith(".index.json") or name == CONFIG_NAME
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by someone else
+    return True
+
+
+def _remove_leftovers(directory: Path, file_name: str) -> None:
+    """Removes what runs killed on this machine left for `directory`: their staging folders beside it
+    or in it, and an earlier version's temporary files in it. A live run's, or another machine's on a
+    shared file system, are left alone."""
+    host, ours = socket.gethostname(), _weights_pattern(file_name)
+    places = [(directory.parent, lambda name: name == directory.name)]
+    if directory.is_dir():
+        places.append((directory, lambda name: name in (STAGE_NAME, CONFIG_NAME) or ours.fullmatch(name)))
+    for folder, wanted in places:
+        for path in folder.glob(".*.tmp-*") if folder.is_dir() else []:
+            match = _TEMP.fullmatch(path.name)
+            if not match or not wanted(match["name"]) or match["host"] not in (None, host):
+                continue
+            if _process_alive(int(match["pid"])):
+                continue
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def staged_output(directory: Path, file_name: str) -> Iterator[Path]:
+    """A private folder to write `directory`'s files into; they appear when the block ends without error.
+
+    A process killed at any moment (SIGKILL included) leaves no partial output that looks complete:
+    - a `directory` that does not exist yet is written whole as its hidden sibling
+      `.NAME.tmp-HOST-PID` and renamed into place at the end: until then there is no `directory`;
+    - into an existing one (an earlier output, or the folder a file name points into) the files are
+      staged in its `.consolidate.tmp-HOST-PID` and then moved in: first the old index and config.json
+      and the weights of the other layout (`file_name` names the weights) go, then the weight files
+      and the rest move in, the index and config.json last. Until then the folder lacks what marks a
+      model complete; a single weights file is replaced in one rename.
+    Files are fsynced before they are published. An error removes the staged files and leaves the
+    old output as it was; leftovers of killed runs on this machine are removed when the next starts.
+    """
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(directory))
+    _remove_leftovers(directory, file_name)
+    existing = directory.is_dir()
+    if existing:
+        stage = directory / _temp_name(STAGE_NAME)
+    else:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        stage = directory.parent / _temp_name(directory.name)
+    stage.mkdir()
+    try:
+        yield stage
+        for path in stage.iterdir():
+            _fsync_path(path)
+        _fsync_path(stage)
+        if existing:
+            _publish_into(stage, directory, _weights_pattern(file_name))
+        else:
+            os.rename(stage, directory)
+            _fsync_path(directory.parent)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _publish_into(stage: Path, directory: Path, weights: re.Pattern) -> None:
+    """Moves the staged files into the existing `directory` in the order staged_output describes."""
+    staged = sorted(p.name for p in stage.iterdir())
+    # An old weights file of the other layout would be loaded instead of the new ones.
+    stale = [p.name for p in directory.iterdir() if weights.fullmatch(p.name) and p.name not in staged]
+    for name in sorted({n for n in [*staged, *stale] if _is_marker(n)}) + stale:
+        (directory / name).unlink(missing_ok=True)
+    data, markers = [n for n in staged if not _is_marker(n)], [n for n in staged if _is_marker(n)]
+    for name in data + sorted(markers, key=lambda n: n == CONFIG_NAME):  # the config last of all
+        os.replace(stage / name, directory / name)
+    _fsync_path(directory)
+
+
+def stage_weights(
+    reader: CheckpointReader,
+    stage: Path,
+    file_name: str,
+    dtype: torch.dtype,
+    max_bytes: int,
+    progress: ProgressCallback | None,
+    rename: dict[str, str] | None = None,
+) -> list[str]:
+    """Writes the weights into the staging folder `stage` (see staged_output); returns the file names.
+
+    One file `file_name`, or above `max_bytes` numbered shards plus an index; the suffix picks the
+    format (see TORCH_SAVE_SUFFIXES). `rename` maps stored to written names."""
+    stem, suffix = os.path.splitext(file_name)
+    planned = plan_tensors(reader, dtype, rename or {})
+    shards = split_into_shards(planned, max_bytes)
+    total_bytes = sum(t.nbytes for t in planned)
+    if len(shards) == 1:
+        names = [file_name]
+    else:
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
+    done_tensors = done_bytes = 0
+    for i, (shard, name) in enumerate(zip(shards, names)):
+        tensors = {}
+        for t, tensor in read_tensors(reader, shard):
+            tensors[t.name] = tensor
+            done_tensors, done_bytes = done_tensors + 1, done_bytes + t.nbytes
+            if progress is not None:
+                progress(done_tensors, len(planned), done_bytes, total_bytes)
+        path = stage / name
+        if suffix in TORCH_SAVE_SUFFIXES:
+            torch.save(tensors, path)  # plain tensors only: loads with weights_only=True
+        else:
+            save_file(tensors, str(path), metadata={"format": "pt"})
+        os.chmod(path, default_file_mode())  # save_file creates 0600 files
+        del tensors
+        if i == 0:
+            fault_point("consolidate")  # the first output file written, the others not
+    if len(shards) > 1:
+        weight_map = {t.name: name for shard, name in zip(shards, names) for t in shard}
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        names.append(f"{file_name}.index.json")
+        (stage / names[-1]).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names
 
 
 def write_consolidated_weights(
@@ -185,48 +341,13 @@ def write_consolidated_weights(
     progress: ProgressCallback | None,
     rename: dict[str, str] | None = None,
 ) -> list[Path]:
-    """`consolidate` on an open reader (shared by the Hugging Face export and zero_to_fp32);
-    `rename` maps stored to written names. The file name's suffix picks the format (see
-    TORCH_SAVE_SUFFIXES); above `max_bytes`, numbered shards plus an index."""
+    """`consolidate` on an open reader (shared by zero_to_fp32); `rename` maps stored to written
+    names. The file name's suffix picks the format (see TORCH_SAVE_SUFFIXES); above `max_bytes`,
+    numbered shards plus an index. Published as staged_output says."""
     directory, file_name = _output_names(output)
-    stem, suffix = os.path.splitext(file_name)
-    directory.mkdir(parents=True, exist_ok=True)
-    planned = plan_tensors(reader, dtype, rename or {})
-    shards = split_into_shards(planned, max_bytes)
-    total_bytes = sum(t.nbytes for t in planned)
-    if len(shards) == 1:
-        names = [file_name]
-    else:
-        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
-    temps = [directory / f".{name}.tmp-{os.getpid()}" for name in names]
-    done_tensors = done_bytes = 0
-    try:
-        for shard, temp in zip(shards, temps):
-            tensors = {}
-            for t, tensor in read_tensors(reader, shard):
-                tensors[t.name] = tensor
-                done_tensors, done_bytes = done_tensors + 1, done_bytes + t.nbytes
-                if progress is not None:
-                    progress(done_tensors, len(planned), done_bytes, total_bytes)
-            if suffix in TORCH_SAVE_SUFFIXES:
-                torch.save(tensors, temp)  # plain tensors only: loads with weights_only=True
-            else:
-                save_file(tensors, str(temp), metadata={"format": "pt"})
-            os.chmod(temp, default_file_mode())  # save_file creates 0600 files
-            del tensors
-        written = [directory / name for name in names]
-        for temp, path in zip(temps, written):
-            os.replace(temp, path)
-    finally:
-        for temp in temps:
-            temp.unlink(missing_ok=True)
-    if len(shards) > 1:
-        weight_map = {t.name: name for shard, name in zip(shards, names) for t in shard}
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        written.append(directory / f"{file_name}.index.json")
-        atomic_write_text(written[-1], json.dumps(index, indent=2, sort_keys=True) + "\n")
-    _remove_stale_weights(directory, file_name, written)
-    return written
+    with staged_output(directory, file_name) as stage:
+        names = stage_weights(reader, stage, file_name, dtype, max_bytes, progress, rename)
+    return [directory / name for name in names]
 
 
 def consolidate(

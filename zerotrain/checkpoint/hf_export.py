@@ -14,26 +14,25 @@ pipelines and `from_pretrained` of the matching class load the directory.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from zerotrain.checkpoint.consolidate import (
+    CONFIG_NAME,
     DTYPES,
     WEIGHTS_NAME,
     ProgressCallback,
-    atomic_write_text,
     open_checkpoint_reader,
     parse_size,
     resolve_dtype,
-    write_consolidated_weights,
+    stage_weights,
+    staged_output,
 )
 from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.reader import CheckpointReader
 
-CONFIG_NAME = "config.json"
 TOKENIZER_DIR = "tokenizer"  # beside the tags in a checkpoint folder: the run's tokenizer
 # Files a Hugging Face model directory carries besides config and weights.
 TOKENIZER_PATTERNS = (
@@ -170,21 +169,20 @@ def export_hf(
         tokenizer_dir = _tokenizer_dir(reader, config_dir)
         out_dtype = resolve_dtype(dtype) if dtype is not None else _config_dtype(config)
         rename = _check_names(config, set(reader.params) | set(reader.module_entries), reader.tag_dir)
-        written = write_consolidated_weights(
-            reader, output_dir / WEIGHTS_NAME, out_dtype, parse_size(max_shard_size), progress, rename
-        )
-    dtype_name = str(out_dtype).removeprefix("torch.")
-    config["dtype"] = dtype_name  # what from_pretrained(dtype="auto") will load as
-    if "torch_dtype" in config:
-        config["torch_dtype"] = dtype_name
-    written.insert(0, output_dir / CONFIG_NAME)
-    atomic_write_text(written[0], json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if tokenizer_dir is not None:
-        sources = {p for pattern in TOKENIZER_PATTERNS for p in tokenizer_dir.glob(pattern) if p.is_file()}
-        for source in sorted(sources):
-            if source.name != CONFIG_NAME:
-                temp = output_dir / f".{source.name}.tmp-{os.getpid()}"
-                shutil.copyfile(source, temp)
-                os.replace(temp, output_dir / source.name)
-                written.append(output_dir / source.name)
-    return written
+        # Weights, config and tokenizer appear together (see staged_output): a killed export leaves no
+        # folder, or one without config.json, never a config beside half the weights.
+        with staged_output(output_dir, WEIGHTS_NAME) as stage:
+            names = stage_weights(reader, stage, WEIGHTS_NAME, out_dtype, parse_size(max_shard_size), progress, rename)
+            dtype_name = str(out_dtype).removeprefix("torch.")
+            config["dtype"] = dtype_name  # what from_pretrained(dtype="auto") will load as
+            if "torch_dtype" in config:
+                config["torch_dtype"] = dtype_name
+            (stage / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            copied = []
+            if tokenizer_dir is not None:
+                sources = {p for pattern in TOKENIZER_PATTERNS for p in tokenizer_dir.glob(pattern) if p.is_file()}
+                for source in sorted(sources):
+                    if source.name != CONFIG_NAME:
+                        shutil.copyfile(source, stage / source.name)
+                        copied.append(source.name)
+    return [output_dir / name for name in [CONFIG_NAME, *names, *copied]]

@@ -6,10 +6,13 @@ rank reaches POINT (with `stop`: freezes it with SIGSTOP instead, a hang to be f
     POINT   forward, backward, optimizer_step (the engine's calls); shard_write (a rank's shard
             is on disk, the rest of the save is not), before_latest (the tag is complete and in
             place, `latest` not yet moved); nvme_write (an optimizer-state swap to NVMe);
-            consolidate (the first output file written, the others not)
+            consolidate (the first output file written into the staging folder, the others not:
+            `zerotrain consolidate`, zero_to_fp32, the Hugging Face export)
     VICTIM  rankK (that rank only), all (every rank, each at its own N-th arrival), launcher
             (rank 0 kills the process that started the ranks, then carries on: the ranks must
-            notice that their parent is gone and stop)
+            notice that their parent is gone and stop). A process with no RANK in its
+            environment is rank 0: `consolidate:rank0` or `consolidate:all` kill a
+            `zerotrain consolidate` (`launcher` would kill the shell that started it).
 
 Unset, a point costs one environment lookup. `tests/faults/` and `make soak` use them.
 """

@@ -34,6 +34,13 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="samples per optimizer step over all GPUs")
     pa.add_workload_args(parser)
     pa.add_memory_args(parser)
+    from zerotrain.planning.speed_args import add_speed_args
+
+    add_speed_args(parser)
+    parser.add_argument("--scale", metavar="N,N,...", default=None, type=_gpu_counts,
+                        help="predict tokens/s per GPU and in all at these GPU counts (e.g. 8,64,512,4096) "
+                        "for each stage, at the same global batch")
+    parser.add_argument("--plot", metavar="PNG", default=None, help="with --scale: draw the curves into PNG")
     parser.add_argument("--verify", action="store_true",
                         help="run 3 real steps of the chosen config on this machine's devices (synthetic data) "
                         "and compare measured with predicted memory; falls to the next rung if it does not fit")
@@ -41,6 +48,16 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--master_port", "--master-port", type=pa.positive_int, default=None, metavar="PORT",
                         help="with --verify: the ranks' rendezvous port (default: a free one)")
     parser.set_defaults(handler=run_plan)
+
+
+def _gpu_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU counts like 8,64,512, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive GPU counts like 8,64,512, got {text!r}")
+    return sorted(set(counts))
 
 
 def _gpus_from_nodes(args: argparse.Namespace) -> None:
@@ -81,8 +98,13 @@ def run_plan(args: argparse.Namespace) -> int:
         model = pa.load_model(args)
         base = pa.base_config(args)
         hardware = pa.hardware(per_node, args.gpus // per_node, args)
+        from zerotrain.planning.speed_args import rates_from_args
+
+        rates, assumed_speed = rates_from_args(args, per_node)
+        if args.plot and not args.scale:
+            raise ValueError("--plot draws the --scale curves: give --scale too, e.g. --scale 8,64,512")
         plan = make_plan(model, hardware, pa.seq_len(args, model), args.global_batch, pa.compute_dtype(args, base),
-                         args.attention, base, args.gradient_checkpointing)
+                         args.attention, base, args.gradient_checkpointing, rates=rates)
     except (ConfigError, DataError, ValueError) as error:
         print_user_error("zerotrain plan", error)
         return USAGE_EXIT_CODE
@@ -91,9 +113,16 @@ def run_plan(args: argparse.Namespace) -> int:
 
         plan = verify_plan(plan, model, args, base)
     ds_config = plan.deepspeed_config(base) if plan.choice else None
+    curves = None
+    if args.scale:
+        from zerotrain.planning.scale_curve import scale_curves
+
+        curves = scale_curves(model, plan, args.scale, base)
     if args.json:
-        print(plan_json(plan, ds_config))
+        print(plan_json(plan, ds_config, curves))
         return 0 if plan.choice else 1
+    for line in assumed_speed:
+        print(line)
     total, _ = count_parameters(model)
     if assumed_cpu:
         from zerotrain.planning.rung_memory import format_bytes
@@ -111,4 +140,12 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(ds_config, indent=2))
         print("\nzerotrain train YAML:")
         print(train_yaml_section(plan, ds_config), end="")
+    if curves is not None:
+        from zerotrain.planning.scale_curve import format_scale, plot_scale
+
+        print()
+        print(format_scale(curves), end="")
+        if args.plot:
+            plot_scale(curves, args.plot)
+            print(f"plot: {args.plot}")
     return 0 if plan.choice else 1

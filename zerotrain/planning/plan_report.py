@@ -91,13 +91,42 @@ def format_plan(plan: Plan) -> str:
                      + (f" of {format_bytes(hw.gpu_memory)}" if hw.gpu_memory else "")
                      + (f"; CPU {format_bytes(c.cpu_total)} per node" if c.cpu_total else "")
                      + (f"; NVMe {format_bytes(c.nvme_total)} per node" if c.nvme_total else ""))
+    if plan.timings:
+        lines.append(f"  Why: {plan.why()}.")
+        lines.append(format_speed_table(plan))
     if plan.rejected:
-        lines.append("Faster rungs that do not fit (at micro-batch 1):")
+        lines.append(("Rungs predicted faster that do not fit" if plan.timings else "Faster rungs that do not fit")
+                     + " (at micro-batch 1):")
         for r in plan.rejected:
             lines.append(f"  {r.rung.name}: {'; '.join(r.overflow)}")
     lines.append(_min_gpus_line("without offload (any stage, with checkpointing)", plan.min_gpus_without_offload, hw))
     lines.append(_min_gpus_line("with CPU offload (with checkpointing)", plan.min_gpus_with_offload, hw))
     return "\n".join(lines) + "\n"
+
+
+def format_speed_table(plan: Plan) -> str:
+    """Every rung's predicted step beside its memory: micro-batch, step time, tokens/s per GPU, MFU,
+    the exposed-communication share and whether it fits; the choice marked."""
+    head = f"  {'rung':<52}{'mb':>4}{'step':>10}{'tok/s/GPU':>11}{'MFU':>6}{'comm':>6}{'GPU GiB':>9}  fits"
+    lines = ["Predicted per rung (step time, tokens/s per GPU, MFU, exposed communication share):", head]
+    for e, t in sorted(plan.timings, key=lambda et: et[1].step_s):
+        mark = "*" if e is plan.choice else " "
+        mfu = f"{t.mfu:.0%}" if t.mfu is not None else "-"
+        lines.append(f"{mark} {e.rung.name:<52}{e.micro_batch:>4}{format_seconds(t.step_s):>10}{t.tokens_per_s_per_gpu:>11,.0f}"
+                     f"{mfu:>6}{t.exposed_share:>6.0%}{e.gpu_total / GIB:>9.2f}  {'yes' if e.fits else 'no'}")
+    chosen = plan.choice_time
+    if chosen is not None:
+        lines.append(f"  The choice is {chosen.bottleneck}.")
+    if plan.rates is not None:
+        lines.append("  Speeds: " + "; ".join(plan.rates.sources))
+    return "\n".join(lines)
+
+
+def format_seconds(seconds: float) -> str:
+    """"12.3 s", "1.23 s", "45.6 ms", "0.016 ms": three significant figures, in s or ms."""
+    if seconds >= 1:
+        return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:,.0f} s"
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def _min_gpus_line(what: str, count: int | None, hw: Hardware) -> str:
@@ -121,7 +150,7 @@ def train_yaml_section(plan: Plan, ds_config: dict[str, Any]) -> str:
     return yaml.safe_dump({"training": training, "zero": zero}, sort_keys=False)
 
 
-def plan_json(plan: Plan, ds_config: dict[str, Any] | None) -> str:
+def plan_json(plan: Plan, ds_config: dict[str, Any] | None, curves: list | None = None) -> str:
     hw = plan.hardware
     return json.dumps({
         "hardware": {"gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes, "world_size": hw.world_size,
@@ -134,4 +163,9 @@ def plan_json(plan: Plan, ds_config: dict[str, Any] | None) -> str:
         "min_gpus_with_offload": plan.min_gpus_with_offload,
         "deepspeed_config": ds_config,
         "verification": plan.verification,
+        "predicted": plan.choice_time.as_dict() if plan.choice_time else None,
+        "why": plan.why() if plan.timings else None,
+        "rungs": [{**e.as_dict(), "predicted": t.as_dict()} for e, t in plan.timings],
+        "speed_sources": list(plan.rates.sources) if plan.rates else None,
+        "scale": [c.as_dict() for c in curves] if curves is not None else None,
     }, indent=2)

@@ -54,7 +54,8 @@ def verify_plan(plan: Plan, model, args: argparse.Namespace, base: dict | None) 
             break
         excluded.add(plan.choice.rung)
         plan = make_plan(model, hardware, plan.workload.seq_len, plan.global_batch, plan.workload.dtype,
-                         plan.workload.attention, base, args.gradient_checkpointing, frozenset(excluded))
+                         plan.workload.attention, base, args.gradient_checkpointing, frozenset(excluded),
+                         rates=plan.rates)
     plan.verification = records
     if not args.json:
         for line in notes:

@@ -1,9 +1,11 @@
 """The plan: the guides' nine-step procedure, walked on the memory model instead of on failed runs.
 
-Down the ladder (fastest rung first), each rung gets the largest micro-batch that divides the
-per-GPU share of the global batch and fits; the first rung that fits at all is the plan, with
-accumulation making up the global batch. Every faster rung is kept with the reason it does not
-fit at micro-batch 1. The minimum GPU counts answer "do I need several GPUs for this model?".
+Every rung of the ladder gets the largest micro-batch that divides the per-GPU share of the
+global batch and fits, with accumulation making up the global batch. With the hardware's speeds
+(`Rates`) each fitting rung's step is timed by the step-time model and the fastest is the plan;
+every rung predicted faster that does not fit is kept with the reason (at micro-batch 1). Without
+speeds, the first rung that fits in ladder order is the plan. The minimum GPU counts answer "do I
+need several GPUs for this model?".
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from typing import Any
 
 from torch import nn
 
+from zerotrain.planning.hardware_rates import Rates
 from zerotrain.planning.ladder import Rung, ladder
 from zerotrain.planning.rung_memory import Hardware, RungEstimate, Workload, estimate_rung, rung_config
+from zerotrain.planning.step_time import StepTime, predict_step
 
 # The search for a minimum GPU count stops here: beyond it, activations at micro-batch 1 are the
 # problem, and more data-parallel ranks do not shrink them.
 MAX_GPUS = 16384
+TIE = 0.03
+"""Predicted steps closer than this fraction count as equally fast (the model's resolution)."""
 
 
 @dataclass
@@ -39,6 +45,30 @@ class Plan:
     workload: Workload | None = None
     verification: list[dict] = field(default_factory=list)
     """`--verify`'s runs: per rung tried, measured and predicted bytes and whether it fit."""
+    timings: list[tuple[RungEstimate, StepTime]] = field(default_factory=list)
+    """With speeds: every rung's estimate (at its largest fitting micro-batch, else 1) and predicted step."""
+    rates: Rates | None = None
+
+    @property
+    def choice_time(self) -> StepTime | None:
+        return next((t for e, t in self.timings if e is self.choice), None)
+
+    def why(self) -> str | None:
+        """Why the choice wins, in words: against the fastest rung that would beat it but does not fit,
+        or against the runner-up."""
+        chosen = self.choice_time
+        if chosen is None:
+            return None
+        faster = [(e, t) for e, t in self.timings if not e.fits and t.step_s < chosen.step_s]
+        if faster:
+            e, t = min(faster, key=lambda et: et[1].step_s)
+            return (f"{self.choice.rung.name}: {chosen.step_s / t.step_s - 1:.0%} slower than {e.rung.name} would be, "
+                    f"but {e.rung.name} does not fit")
+        others = sorted((t.step_s, e.rung.name) for e, t in self.timings if e.fits and e is not self.choice)
+        if not others:
+            return f"{self.choice.rung.name}: the only rung that fits"
+        return (f"{self.choice.rung.name}: the fastest that fits; next is {others[0][1]}, "
+                f"{others[0][0] / chosen.step_s - 1:.0%} slower")
 
     def deepspeed_config(self, base_config: dict | None = None) -> dict[str, Any]:
         """The chosen rung as a DeepSpeed JSON config (batch sizes explicit, "auto" nowhere in ZeRO)."""
@@ -66,9 +96,12 @@ def make_plan(
     base_config: dict | None = None,
     checkpointing: bool | None = None,
     exclude: frozenset[Rung] = frozenset(),
+    rates: Rates | None = None,
 ) -> Plan:
     """The fastest rung of the ladder that fits `hardware`, with micro-batch and accumulation.
 
+    `rates`: the hardware's speeds; with them the fastest is the one the step-time model
+    predicts fastest, without them the first that fits in ladder order.
     `exclude` leaves rungs out (ones a verification run showed do not fit).
     Raises ValueError when the global batch does not split evenly over the GPUs.
     """
@@ -80,15 +113,37 @@ def make_plan(
     per_gpu = global_batch // world
     micro_batches = [m for m in range(per_gpu, 0, -1) if per_gpu % m == 0]
     result = Plan(None, 0, global_batch, hardware=hardware,
-                  workload=Workload(seq_len, 1, dtype, attention))
+                  workload=Workload(seq_len, 1, dtype, attention), rates=rates)
+    flops = None
     for rung in ladder(allow_nvme=hardware.nvme_path is not None, checkpointing=checkpointing):
         if rung in exclude:
             continue
         best = _largest_fitting(model, rung, micro_batches, hardware, seq_len, dtype, attention, base_config)
-        if best is not None:
-            result.choice, result.accumulation = best, per_gpu // best.micro_batch
-            break
-        result.rejected.append(estimate_rung(model, rung, Workload(seq_len, 1, dtype, attention), hardware, base_config))
+        if rates is None:
+            if best is not None:
+                result.choice, result.accumulation = best, per_gpu // best.micro_batch
+                break
+            result.rejected.append(
+                estimate_rung(model, rung, Workload(seq_len, 1, dtype, attention), hardware, base_config))
+            continue
+        estimate = best or estimate_rung(model, rung, Workload(seq_len, 1, dtype, attention), hardware, base_config)
+        if flops is None:
+            from zerotrain.planning.model_flops import model_flops
+
+            flops = model_flops(model, seq_len)
+        step = predict_step(model, rung, Workload(seq_len, estimate.micro_batch, dtype, attention), hardware, rates,
+                            per_gpu // estimate.micro_batch, base_config, flops)
+        result.timings.append((estimate, step))
+    if rates is not None:
+        fitting = [(e, t) for e, t in result.timings if e.fits]
+        if fitting:
+            # Within TIE of the fastest is within the model's error: the earlier rung of the ladder (fewer
+            # moving parts: no per-unit gathers, no host copies) is the better bet.
+            fastest = min(t.step_s for _, t in fitting)
+            result.choice = next(e for e, t in fitting if t.step_s <= fastest * (1 + TIE))
+            result.accumulation = per_gpu // result.choice.micro_batch
+        bar = result.choice_time.step_s if result.choice else float("inf")
+        result.rejected = [e for e, t in result.timings if not e.fits and t.step_s < bar]
     work = Workload(seq_len, 1, dtype, attention)
     # The leanest rung is not always stage 3: on few GPUs its gathered units outweigh what it shards.
     leanest = [r for r in ladder(allow_nvme=False, checkpointing=True)]

@@ -1,0 +1,174 @@
+"""The measurements behind `zerotrain bench compute`: the FLOP formulas, a timer, and the four probes.
+
+- matmul: a transformer layer's GEMMs (qkv, o, gate/up, down), each forward and its two backward
+  GEMMs (grad input, grad weight), laid out as nn.Linear lays them (weight [out, in]).
+- attention: causal SDPA forward + backward, counted as step_flops counts it: QK^T and AV over the
+  full s x s square (4.b.n.s.s.d forward, twice that backward), causal or not.
+- Adam: torch.optim.Adam steps over one flat fp32 tensor (ZeRO's flat master shard), fused where torch
+  has the kernel (the engine's choice for CPU masters, zerotrain/optim/optimizers.py), else foreach.
+- copies: pinned host <-> device copies of one 256 MiB buffer (GB/s = 1e9 bytes/s).
+
+Every time is the median of `iters` repeats after `warmup` untimed ones: CUDA events on a GPU
+(recorded back to back, read after one synchronize), time.perf_counter on the CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COPY_BYTES = 256 << 20
+PHASES = ("forward", "grad input", "grad weight")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The layer the probe is shaped like; attention runs on (batch, heads, seq_len, head_dim)."""
+
+    hidden: int
+    intermediate: int
+    tokens: int
+    heads: int
+    head_dim: int
+    batch: int
+    seq_len: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The JSON's "shapes" (batch and seq_len are shown on the console only)."""
+        return {"hidden": self.hidden, "intermediate": self.intermediate, "tokens": self.tokens,
+                "heads": self.heads, "head_dim": self.head_dim}
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """An (m x k) @ (k x n) GEMM: one multiply and one add per output element per k."""
+    return 2 * m * n * k
+
+
+def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> tuple[int, int]:
+    """(forward, backward) FLOPs of attention: QK^T and AV, 2.b.n.s.s.d each over the full square
+    (as zerotrain.profiling.step_flops counts SDPA), and twice the forward backward."""
+    forward = 2 * (2 * batch * heads * seq_len * seq_len * head_dim)
+    return forward, 2 * forward
+
+
+def layer_linears(shapes: Shapes) -> list[tuple[str, int, int]]:
+    """(name, in features, out features) of a layer's linears: qkv fused, o, gate/up fused, down."""
+    h, i = shapes.hidden, shapes.intermediate
+    return [("qkv", h, 3 * h), ("o", h, h), ("gate/up", h, 2 * i), ("down", i, h)]
+
+
+def matmul_shapes(shapes: Shapes) -> list[tuple[str, int, int, int]]:
+    """(name, m, n, k) of every GEMM timed: per linear, forward y = x W^T, grad input dx = dy W,
+    grad weight dW = dy^T x."""
+    t = shapes.tokens
+    out = []
+    for name, fan_in, fan_out in layer_linears(shapes):
+        out += [(f"{name} forward", t, fan_out, fan_in), (f"{name} grad input", t, fan_in, fan_out),
+                (f"{name} grad weight", fan_out, fan_in, t)]
+    return out
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """The median time of `fn()` over `iters` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
+    times = []
+    for _ in range(iters):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def _randn(*size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(*size, dtype=torch.float32, device=device).to(dtype)
+
+
+def measure_matmuls(shapes: Shapes, dtype: torch.dtype, device: torch.device, warmup: int, iters: int,
+                    progress: Callable[[str], None] = lambda name: None) -> list[dict]:
+    """One row per GEMM of matmul_shapes: name, m, n, k, seconds, tflops."""
+    rows = []
+    t = shapes.tokens
+    for name, fan_in, fan_out in layer_linears(shapes):
+        x = _randn(t, fan_in, dtype=dtype, device=device)
+        weight = _randn(fan_out, fan_in, dtype=dtype, device=device)
+        grad_y = _randn(t, fan_out, dtype=dtype, device=device)
+        gemms = {"forward": (x, weight.t(), (t, fan_out, fan_in)),
+                 "grad input": (grad_y, weight, (t, fan_in, fan_out)),
+                 "grad weight": (grad_y.t(), x, (fan_out, fan_in, t))}
+        for phase in PHASES:
+            a, b, (m, n, k) = gemms[phase]
+            progress(f"matmul {name} {phase}")
+            out = torch.empty(m, n, dtype=dtype, device=device)
+            seconds = median_seconds(lambda: torch.matmul(a, b, out=out), device, warmup, iters)
+            rows.append({"name": f"{name} {phase}", "m": m, "n": n, "k": k, "seconds": seconds,
+                         "tflops": matmul_flops(m, n, k) / seconds / 1e12})
+            del out
+        del x, weight, grad_y
+    return rows
+
+
+def overall_tflops(rows: list[dict]) -> float:
+    """FLOP-weighted rate of the rows: their total FLOPs over their total time."""
+    return sum(matmul_flops(r["m"], r["n"], r["k"]) for r in rows) / sum(r["seconds"] for r in rows) / 1e12
+
+
+def measure_attention(shapes: Shapes, dtype: torch.dtype, device: torch.device, warmup: int, iters: int) -> float:
+    """TFLOP/s of causal SDPA forward + backward on (batch, heads, seq_len, head_dim)."""
+    size = (shapes.batch, shapes.heads, shapes.seq_len, shapes.head_dim)
+    q, k, v = (_randn(*size, dtype=dtype, device=device).requires_grad_() for _ in range(3))
+    grad_out = _randn(*size, dtype=dtype, device=device)
+
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    seconds = median_seconds(step, device, warmup, iters)
+    return sum(attention_flops(*size)) / seconds / 1e12
+
+
+def _adam(param: torch.Tensor) -> tuple[torch.optim.Adam, str]:
+    """Adam over `param`, fused where torch has the kernel for its device, else foreach; and which."""
+    for impl in ("fused", "foreach"):
+        try:
+            optimizer = torch.optim.Adam([param], lr=1e-4, **{impl: True})
+            optimizer.step()  # a kernel missing for this device shows here, not at construction
+            return optimizer, impl
+        except (RuntimeError, TypeError, ValueError):
+            continue
+    optimizer = torch.optim.Adam([param], lr=1e-4, foreach=False)
+    optimizer.step()
+    return optimizer, "for-loop"
+
+
+def measure_adam(elements: int, device: torch.device, warmup: int, iters: int) -> tuple[float, str]:
+    """(elements per second, implementation) of Adam steps over one flat fp32 parameter."""
+    param = torch.nn.Parameter(torch.zeros(elements, dtype=torch.float32, device=device))
+    param.grad = torch.randn(elements, dtype=torch.float32, device=device) * 1e-3
+    optimizer, impl = _adam(param)
+    seconds = median_seconds(optimizer.step, device, warmup, iters)
+    return elements / seconds, impl
+
+
+def measure_copies(device: torch.device, warmup: int, iters: int, size: int = COPY_BYTES) -> tuple[float, float]:
+    """(host to device, device to host) GB/s of pinned copies of `size` bytes."""
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(size, dtype=torch.uint8, device=device)
+    to_device = median_seconds(lambda: on_device.copy_(host, non_blocking=True), device, warmup, iters)
+    to_host = median_seconds(lambda: host.copy_(on_device, non_blocking=True), device, warmup, iters)
+    return size / to_device / 1e9, size / to_host / 1e9

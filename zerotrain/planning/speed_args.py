@@ -1,0 +1,59 @@
+"""The hardware-speed flags of `plan` and `tune`, and the `Rates` they make.
+
+    --gpu h100|a100-80gb|...   the device's named defaults (datasheet peak x one efficiency)
+    --intra-node nvlink4|...   the link between a node's GPUs (default: the device's usual one)
+    --inter-node ib-ndr|...    the link between nodes (default: the device generation's InfiniBand)
+    --compute FILE             `zerotrain bench compute --json` measured here: replaces the device's rates
+    --comm FILE                `zerotrain bench comm --json`: collectives fitted to the measured times
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from zerotrain.planning.hardware_rates import (
+    DEVICE_NAMES, INTER_NAMES, INTRA_NAMES, Rates, inter_node_link, named_rates, with_comm_probe, with_compute_probe,
+)
+
+# The InfiniBand of each generation's usual cluster: what a plan across nodes assumes unless told.
+_USUAL_INTER = {"h100": "ib-ndr", "h200": "ib-ndr", "h100-pcie": "ib-ndr", "a100-80gb": "ib-hdr",
+                "a100-40gb": "ib-hdr", "v100": "ib-edr", "l40s": "200gbe"}
+# A GPU-memory size that names the device when --gpu is not given.
+_BY_MEMORY_GIB = {80: "h100", 141: "h200", 40: "a100-40gb", 32: "v100", 48: "l40s"}
+
+
+def add_speed_args(parser: argparse.ArgumentParser) -> None:
+    """Adds --gpu, --intra-node, --inter-node, --compute and --comm."""
+    parser.add_argument("--gpu", choices=DEVICE_NAMES, default=None, type=str.lower,
+                        help="the GPU, for its speed (default: from --gpu-memory: 80GB h100, 40GB a100-40gb, "
+                        "32GB v100, 141GB h200; else h100)")
+    parser.add_argument("--intra-node", choices=INTRA_NAMES, default=None, type=str.lower,
+                        help="link between a node's GPUs (default: the GPU's usual one, e.g. nvlink4 for h100)")
+    parser.add_argument("--inter-node", choices=INTER_NAMES, default=None, type=str.lower,
+                        help="link between nodes (default: ib-ndr for H100/H200, ib-hdr for A100, ib-edr for V100)")
+    parser.add_argument("--compute", metavar="FILE", default=None,
+                        help="rates measured by `zerotrain bench compute --json FILE` (replace the GPU's defaults)")
+    parser.add_argument("--comm", metavar="FILE", default=None,
+                        help="collective times measured by `zerotrain bench comm HOSTFILE --json FILE`")
+
+
+def rates_from_args(args: argparse.Namespace, gpus_per_node: int) -> tuple[Rates, list[str]]:
+    """The Rates the flags describe, and what was assumed (lines to print). ValueError on a bad file."""
+    assumed = []
+    device = args.gpu
+    if device is None:
+        gib = round((args.gpu_memory or 0) / 2**30)
+        device = _BY_MEMORY_GIB.get(gib, "h100")
+        assumed.append(f"GPU speed: {device} (from --gpu-memory; give --gpu to say which)"
+                       if gib in _BY_MEMORY_GIB else "GPU speed: h100 (give --gpu to say which)")
+    inter = args.inter_node or _USUAL_INTER[device]
+    rates = named_rates(device, args.intra_node, None)
+    from dataclasses import replace
+
+    rates = replace(rates, inter=inter_node_link(inter, gpus_per_node),
+                    sources=rates.sources + (f"inter-node: {inter}" + ("" if args.inter_node else " (assumed)"),))
+    if args.compute:
+        rates = with_compute_probe(rates, args.compute)
+    if args.comm:
+        rates = with_comm_probe(rates, args.comm)
+    return rates, assumed
