@@ -31,7 +31,7 @@ confirms the answer with one:
 | command | answers |
 | --- | --- |
 | `zerotrain estimate MODEL` | the memory of every rung, per GPU and per node (`--deepspeed-format`: DeepSpeed's tables) |
-| `zerotrain plan MODEL --gpus 8 --gpu-memory 80GB --global-batch 256` | the fastest rung that fits, micro-batch and accumulation, why nothing faster fits, the minimum GPU count; `--verify` runs 3 real steps |
+| `zerotrain plan MODEL --gpus 8 --gpu-memory 80GB --global-batch 256` | the rung predicted fastest that fits, micro-batch and accumulation, each rung's predicted tokens/s and MFU, the minimum GPU count; `--scale 8,64,512` the same at other GPU counts; `--verify` runs 3 real steps |
 | `zerotrain init` | the config wizard: `accelerate config`'s questions, each answered with its estimate (below) |
 | `zerotrain tune TRAIN_YAML` | times the candidates that fit, in one job, and picks the fastest ([tuning.md](tuning.md)) |
 
@@ -46,10 +46,11 @@ Llama 2 7B and Llama 3 70B, shipped with zerotrain: name them (`llama-3.2-1b`,
 
 The rungs, fastest first: stage 0 (plain data parallel), 1, 2, 2 + optimizer on CPU, 3, 3 +
 optimizer on CPU, 3 + optimizer and parameters on CPU, then the NVMe rungs (with `--nvme PATH`).
-Each is tried without and then with gradient checkpointing: recomputing the forward costs about
-a third of a step, less than moving the optimizer to the CPU. A plan takes the first rung on
-which micro-batch 1 fits, then the largest micro-batch that divides the per-GPU share of the
-global batch; accumulation makes up the rest.
+Each is tried without and then with gradient checkpointing. Every rung gets the largest
+micro-batch that fits and divides the per-GPU share of the global batch (accumulation makes up
+the rest), and the step-time model (below) predicts its step; the plan is the fastest that fits
+(within 3%, the model's resolution, the earlier rung). It says why the winner wins: "stage 2: 6%
+slower than stage 1 would be, but stage 1 does not fit".
 
 ## What is counted, per GPU
 
@@ -135,6 +136,39 @@ scratch unless `model.path` names a local directory with weights. Existing files
 INIT_COMMAND = ("init llama-2-7b --nodes 1 --gpus-per-node 8 --gpu-memory 80GB "
                 "--cpu-memory 1TB --seq-len 4096 --global-batch 256 --yes")
 
+SPEED = """\
+## Step time: which rung is fastest
+
+`plan` times every rung with a model of one optimizer step (`zerotrain/planning/step_time.py`):
+
+- **compute**: forward and backward FLOPs of the micro-batch counted from the model's sizes as the
+  flops profiler counts them (every linear layer, attention's QK^T and AV over the full square;
+  recompute of the layers with gradient checkpointing), over an achievable rate: the GPU's
+  datasheet peak x one efficiency per GPU model (`--gpu h100|a100-80gb|...`), or what
+  `zerotrain bench compute --json F` measured on this machine (`--compute F`);
+- **communication**: the collectives the engine issues at that stage, from its own bucket plan
+  (all-reduce or reduce-scatter per gradient bucket, stage 3's all-gather per unit in forward and
+  again in backward for the units the live limit did not keep, stages 1-2's gather of the updated
+  parameters), each timed as ring latency + bytes / bus bandwidth over the topology (NVLink or PCIe
+  inside a node, the node's NICs between nodes, NCCL's tree for all-reduce when it is faster), from
+  named links (`--intra-node nvlink4`, `--inter-node ib-ndr`, ...) or fitted to
+  `zerotrain bench comm HOSTFILE --json F` (`--comm F`);
+- **overlap**: a timeline per micro-step with one compute and one communication stream: a
+  bucket's reduction runs beside the rest of backward, stage 3's gathers are prefetched one unit
+  ahead; what the step waits for is the exposed share. On Gloo (CPUs) nothing overlaps;
+- **offload**: the gradient and parameter copies over PCIe and the CPU optimizer (shared by a
+  node's processes), NVMe traffic for the NVMe rungs; none of it hides.
+
+`zerotrain tune TRAIN_YAML --compute F` runs its trials in predicted order and writes measured beside
+predicted in `autotuning_results/summary.txt`.
+
+`--scale` runs the model at other GPU counts at the same global batch (strong scaling), for stages
+0-3: per GPU, compute falls with the share of the batch while each rank's bytes per step stay
+(2x the gradients below stage 3, up to 3x at stage 3), so from some count the step waits on
+communication. `--plot F.png` draws the curves.
+
+"""
+
 OUTRO = """\
 ## Confirming a plan
 
@@ -154,6 +188,15 @@ whose peak is over `--gpu-memory`, is dropped and the plan falls to the next run
 
 This page is generated: `python docs/generate_planning.py` rewrites it from the tools' output.
 """
+
+
+SCALE_COMMAND = ("plan llama-2-7b --gpus 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 --global-batch 1024 "
+                 "--gpu h100 --inter-node ib-ndr --scale 8,64,256,1024")
+
+
+def _scale_only(text: str) -> str:
+    """The --scale table of a plan's output (the rest is in the worked examples)."""
+    return text[text.index("Scaling at the same global batch"):]
 
 
 def run_cli(command: str, where: Path = ROOT) -> str:
@@ -182,6 +225,12 @@ def render() -> str:
     with tempfile.TemporaryDirectory() as folder:  # the files it writes are not part of the page
         transcript = run_cli(INIT_COMMAND, Path(folder))
     parts.append(f"```console\n$ zerotrain {INIT_COMMAND}\n{transcript.rstrip()}\n```\n")
+    parts.append(SPEED)
+    parts.append(f"```console\n$ zerotrain {SCALE_COMMAND}\n{_scale_only(run_cli(SCALE_COMMAND)).rstrip()}\n```\n")
+    for name in ("cpu_validation.md", "published.md"):
+        table = ROOT / "benchmarks" / "step_time" / name
+        if table.is_file():  # the measured tables, made by their scripts (the commands are in them)
+            parts.append(table.read_text().rstrip() + "\n")
     parts.append(OUTRO)
     return "\n".join(parts)
 

@@ -67,6 +67,11 @@ def write_results(results_dir: Path, exps_dir: Path, experiments: list[dict], re
             note = "within noise of the best"
         else:
             note = record.get("reason", "")
+        predicted = configs[record["name"]].get("predicted_step_s")
+        if predicted and spread and record.get("metrics", {}).get("latency"):
+            measured = record["metrics"]["latency"]
+            note = f"{note}; step {measured:.3g} s measured, {predicted:.3g} s predicted ({measured / predicted:.2f}x)"
+            note = note.lstrip("; ")
         if record.get("repeat_failed"):
             note = f"{note}; a repeat failed: {record['repeat_failed']}".lstrip("; ")
         lines.append(f"{record['name']:<36}{record['status']:<8}{median:>20}  "

@@ -43,10 +43,31 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3, metavar="N",
                         help="run the leading trials up to N times each, until the winner's lead is outside "
                         "the spread of its runs (default 3; 1: one run each, no spread)")
+    from zerotrain.planning.speed_args import add_speed_args
+
+    add_speed_args(parser)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--master_port", "--master-port", type=positive_int, default=None, metavar="PORT",
                         help="the ranks' rendezvous port (default: a free one)")
     parser.set_defaults(handler=run_tune)
+
+
+def _predictions(args, candidates, model, hardware, seq_len: int, dtype: str, base: dict, cuda: bool):
+    """({experiment: predicted seconds per step}, a line saying on what speeds) — empty on a CPU
+    without `--compute`: GPU defaults would predict nothing about this machine's cores."""
+    from zerotrain.planning.model_flops import model_flops
+    from zerotrain.planning.rung_memory import Workload
+    from zerotrain.planning.speed_args import rates_from_args
+    from zerotrain.planning.step_time import predict_step
+
+    if not cuda and not args.compute:
+        return {}, "trials in the plan's order (give --compute FILE from `zerotrain bench compute` to order " \
+                   "them by predicted step time)"
+    rates, _ = rates_from_args(args, hardware.gpus_per_node)
+    flops = model_flops(model, seq_len)
+    out = {e.name: predict_step(model, e.rung, Workload(seq_len, e.micro_batch, dtype), hardware, rates,
+                                e.accumulation, base, flops).step_s for e in candidates}
+    return out, f"trials in predicted order ({rates.sources[-1]})"
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -82,13 +103,17 @@ def run_tune(args: argparse.Namespace) -> int:
         candidates, pruned = experiments(model, hardware, seq_len, global_batch, dtype, base, fast=tuning.fast,
                                          max_micro_batch=tuning.max_train_micro_batch_size_per_gpu)
         plan = make_plan(model, hardware, seq_len, global_batch, dtype) if gpu_memory else None
+        predicted_s, speed_note = _predictions(args, candidates, model, hardware, seq_len, dtype, base, cuda)
+        # Trials run in predicted order, fastest first (the ladder's order where nothing is predicted).
+        candidates = sorted(candidates, key=lambda e: predicted_s.get(e.name, 0.0))
         results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
         check_result_dirs(results_dir, exps_dir, tuning.overwrite)  # before the trials, not after them
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as error:
         print_user_error("zerotrain tune", error)
         return USAGE_EXIT_CODE
     exps = [{"name": e.name, "config": e.deepspeed_config(base, seq_len, dtype, global_batch),
-             "gradient_checkpointing": e.rung.gradient_checkpointing, "predicted_gpu_bytes": e.predicted_gpu_bytes}
+             "gradient_checkpointing": e.rung.gradient_checkpointing, "predicted_gpu_bytes": e.predicted_gpu_bytes,
+             "predicted_step_s": predicted_s.get(e.name)}
             for e in candidates]
     job = {
         "experiments": exps, "model_config": model.config.to_dict(), "attention": "sdpa", "seq_len": seq_len,
@@ -100,7 +125,7 @@ def run_tune(args: argparse.Namespace) -> int:
         "min_seconds": args.min_trial_seconds, "repeats": args.repeats, "results_dir": str(results_dir),
     }
     print(f"zerotrain tune: {len(exps)} candidates on {world} rank{'s' if world > 1 else ''} "
-          f"({len(pruned)} pruned by the memory model), metric {tuning.metric}", flush=True)
+          f"({len(pruned)} pruned by the memory model), metric {tuning.metric}; {speed_note}", flush=True)
     records = run_local_job(run_trials, world, job, name="zerotrain-tune", rank0_to_console=True,
                             master_port=args.master_port)[0]
     pruned_rows = [{"name": p.name, "reason": p.reason} for p in pruned]

@@ -117,6 +117,11 @@ class Rates:
     nvme_gbps: float = NVME_GBPS
     attention_tflops: float | None = None
     """Counted attention FLOPs (full square, as the flops profiler counts) per second; None: `device.tflops`."""
+    layer_tflops: float | None = None
+    """A whole decoder layer's forward + backward (matmuls, attention, norms, activations) as measured by
+    bench compute on the model's own layer: replaces the matmul and attention rates for the layers."""
+    head_tflops: float | None = None
+    """The LM head with its loss (final norm, head matmul, cross-entropy) forward + backward, measured."""
     overlap: bool = True
     """Collectives run beside compute (NCCL's own stream). False on Gloo over CPUs: they share the cores."""
     reduce_scatter_is_all_reduce: bool = False
@@ -160,7 +165,7 @@ def with_compute_probe(rates: Rates, path: str | Path) -> Rates:
     """`rates` with the device's rates from a `zerotrain bench compute --json` file."""
     data = _read_json(path, "zerotrain-bench-compute", "zerotrain bench compute --json FILE")
     try:
-        tflops = float(data.get("layer_tflops") or data["matmul_tflops"])
+        tflops = float(data["matmul_tflops"])
         dev = replace(
             rates.device,
             name=str(data.get("device") or rates.device.name),
@@ -174,8 +179,10 @@ def with_compute_probe(rates: Rates, path: str | Path) -> Rates:
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: not a bench compute result ({error!r} missing or wrong)") from None
     on_cpu = data.get("device_type") == "cpu"
+    layer, head = data.get("layer_tflops"), data.get("head_tflops")
     return replace(rates, device=dev, cpu_adam_elements_per_s=cpu_adam,
                    attention_tflops=float(attention) if attention else None,
+                   layer_tflops=float(layer) if layer else None, head_tflops=float(head) if head else None,
                    overlap=rates.overlap and not on_cpu,
                    sources=rates.sources + (f"compute: measured by bench compute ({path})",))
 

@@ -108,7 +108,8 @@ def format_scale(curves: list[ScaleCurve]) -> str:
             cells.append(f"{p.step.tokens_per_s_per_gpu:>9,.0f} ({_short(total):>7}) {p.step.exposed_share:>4.0%}{mark}{fit}")
         notes = sorted({c.points[i].note for c in curves if c.points[i].step is not None and c.points[i].note
                         and c.points[i].note != "does not fit"})
-        lines.append(f"{gpus:>7}" + "".join(f"{cell:>32}" for cell in cells) + (f"  {'; '.join(notes)}" if notes else ""))
+        row = f"{gpus:>7}" + "".join(f"{cell:>32}" for cell in cells) + (f"  {'; '.join(notes)}" if notes else "")
+        lines.append(row.rstrip())
     for c in curves:
         shows = c.comm_shows_from
         lines.append(f"{c.rung.name}: " + (f"communication shows from {shows} GPUs" if shows

@@ -163,8 +163,11 @@ def predict_step(model: nn.Module, rung: Rung, workload: Workload, hardware: Har
     mb = workload.micro_batch
     rate = rates.device.tflops * 1e12
     attn_rate = (rates.attention_tflops or rates.device.tflops) * 1e12
-    layer_f = (flops.layer_matmul / rate + flops.layer_attention / attn_rate) * mb / flops.layers
-    head_f = flops.head_matmul * mb / rate
+    if rates.layer_tflops:  # measured on the model's own layer: norms and activations included
+        layer_f = (flops.layer_matmul + flops.layer_attention) * mb / flops.layers / (rates.layer_tflops * 1e12)
+    else:
+        layer_f = (flops.layer_matmul / rate + flops.layer_attention / attn_rate) * mb / flops.layers
+    head_f = flops.head_matmul * mb / ((rates.head_tflops or rates.device.tflops) * 1e12)
     recompute = rung.gradient_checkpointing
 
     def coll(kind: str, elements: int) -> float:
