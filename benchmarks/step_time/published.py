@@ -289,6 +289,7 @@ def main(argv: list | None = None) -> int:
               "Skipped:", "", *[f"- {s['id']}: {s['reason']}" for s in skipped], ""]
     text = "\n".join(lines)
     print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")

@@ -162,6 +162,9 @@ def predict_step(model: nn.Module, rung: Rung, workload: Workload, hardware: Har
     buckets = _buckets(model, rung, workload, hardware, base_config)
     mb = workload.micro_batch
     rate = rates.device.tflops * 1e12
+    # Attention is counted over the full square (as the profiler counts) and goes at the matmul rate: a
+    # causal fused kernel skips the masked half but runs at about half a GEMM's efficiency. Tried both
+    # ways against the published runs (benchmarks/step_time/published.py): halving it fit worse.
     attn_rate = (rates.attention_tflops or rates.device.tflops) * 1e12
     if rates.layer_tflops:  # measured on the model's own layer: norms and activations included
         layer_f = (flops.layer_matmul + flops.layer_attention) * mb / flops.layers / (rates.layer_tflops * 1e12)
