@@ -177,7 +177,7 @@ def test_csv_has_one_row_per_job_named_after_its_hostfile(runs, tmp_path):
     path = tmp_path / "out" / "results.csv"
     write_csv(results, path)
     rows = list(csv.DictReader(path.open()))
-    assert list(rows[0]) == ["job", "nodes", "throughput", "metric", "verdict", "reason"]
+    assert list(rows[0]) == ["job", "nodes", "throughput", "metric", "verdict", "reason", "predicted"]
     assert [(r["job"], r["nodes"], r["throughput"], r["verdict"]) for r in rows] == [
         ("batch-001", "a b", "150.000", "pass"), ("batch-002", "c d", "61.500", "fail"),
         ("batch-003", "e f", "", "timeout"), ("batch-004", "a c", "149.200", "pass"),
@@ -243,3 +243,44 @@ def test_cli_exits_0_when_every_job_passed_and_2_for_a_missing_run_folder(runs, 
     assert "suspects: none" in proc.stdout
     proc = zerotrain_cli("bench", "report", "no-such-run", "--threshold", "100")
     assert proc.returncode == 2 and "run folder no-such-run does not exist" in proc.stderr
+
+
+def _predicted_job(run: Path, name: str, nodes: list[str], tokens_per_s: float | None = None) -> Path:
+    """A finished `zerotrain train` job folder: its hostfile, the run's config.yaml, a metrics.csv."""
+    from zerotrain.bench.run_dir import JobStatus
+    from zerotrain.train.config_files import load_train_config
+
+    job = run / name
+    JobStatus(name, nodes, "finished", 0, 10.0).write(job)
+    (job / "hostfile").write_text("".join(f"{n} slots=2\n" for n in nodes))
+    load_train_config(None).write(job / "train")  # the embedded default job: a small Llama
+    if tokens_per_s is not None:
+        rows = "".join(f"{s},{tokens_per_s}\n" for s in (10, 20, 30))
+        (job / "train" / "metrics.csv").write_text("step,tokens_per_s\n" + rows)
+    return job
+
+
+def test_predict_fails_a_job_far_below_its_own_prediction_with_no_threshold_given(tmp_path):
+    import argparse
+
+    from zerotrain.bench.job_prediction import predict_job
+
+    probe = tmp_path / "compute.json"
+    probe.write_text(json.dumps({"kind": "zerotrain-bench-compute", "version": 1, "device_type": "cpu",
+                                 "device": "cpu (test)", "matmul_tflops": 0.02, "cpu_adam_elements_per_s": 2e8}))
+    speeds = argparse.Namespace(gpu=None, intra_node=None, inter_node=None, compute=str(probe), comm=None,
+                                gpu_memory=None)
+    run = tmp_path / "run"
+    first = _predicted_job(run, "batch-001", ["node1", "node2"])
+    predicted, why = predict_job(first, speeds)
+    assert predicted and predicted > 0 and not why
+    _predicted_job(run, "batch-001", ["node1", "node2"], tokens_per_s=0.95 * predicted)
+    _predicted_job(run, "batch-002", ["node3", "node4"], tokens_per_s=0.5 * predicted)
+    with pytest.raises(ReportError, match="--predict"):
+        report(run, None, "tokens_per_s")
+    results = _by_job(report(run, None, "tokens_per_s", speeds))
+    assert results["batch-001"].verdict == "pass" and "0.95x the predicted" in results["batch-001"].reason
+    assert results["batch-002"].verdict == "fail" and "0.50x the predicted" in results["batch-002"].reason
+    assert results["batch-002"].predicted == pytest.approx(predicted)
+    assert suspect_nodes(list(results.values())) == ["node3", "node4"]
+    save_chart(list(results.values()), None, "tokens_per_s", tmp_path / "chart.png")  # no threshold line

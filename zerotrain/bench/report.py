@@ -4,8 +4,9 @@ Verdicts, one per job folder of RUN_DIR (run_dir.py):
 
     timeout  the job was stopped at `bench run --timeout`
     crash    the job exited non-zero; the reason is the first error line of its log (failure.py)
-    fail     it finished, but its throughput is below --threshold, or none was found
-    pass     it finished at --threshold or more
+    fail     it finished, but its throughput is below --threshold, or none was found; with
+             --predict, below 0.8x what the step-time model predicts for its config on its nodes
+    pass     it finished at --threshold (and its prediction's floor) or more
 
 Suspects are the nodes that were only ever in jobs that did not pass: a node that
 also ran in a passing job is healthy enough, so the fault lies with its batch-mates.
@@ -31,7 +32,7 @@ from zerotrain.bench.throughput import METRICS, UNITS, find_throughput, format_r
 
 VERDICTS = ("pass", "fail", "timeout", "crash")
 VERDICT_STYLE = {"pass": "green", "fail": "yellow", "timeout": "magenta", "crash": "red"}
-CSV_FIELDS = ["job", "nodes", "throughput", "metric", "verdict", "reason"]
+CSV_FIELDS = ["job", "nodes", "throughput", "metric", "verdict", "reason", "predicted"]
 NOT_ALL_PASSED_EXIT_CODE = 1
 
 
@@ -51,10 +52,12 @@ class JobResult:
     reason: str
     finished: bool = True
     """False while the job is pending or running: its verdict says nothing about its nodes yet."""
+    predicted: float | None = None
+    """With --predict: the step-time model's throughput for the job's config on its nodes."""
 
 
-def judge_job(job_dir: Path, threshold: float, metric: str) -> JobResult:
-    """The verdict on one job folder."""
+def judge_job(job_dir: Path, threshold: float | None, metric: str, predict=None) -> JobResult:
+    """The verdict on one job folder; `predict`: the speed flags (argparse) to predict it with."""
     try:
         status = JobStatus.read(job_dir)
     except (OSError, ValueError, TypeError) as error:
@@ -64,8 +67,14 @@ def judge_job(job_dir: Path, threshold: float, metric: str) -> JobResult:
     value = found.value if found else None
     unit = UNITS[metric]
 
+    predicted, no_prediction = (None, "")
+    if predict is not None:
+        from zerotrain.bench.job_prediction import predict_job
+
+        predicted, no_prediction = predict_job(job_dir, predict, metric)
+
     def result(verdict: str, reason: str, finished: bool = True) -> JobResult:
-        return JobResult(status.job, list(status.nodes), value, metric, verdict, reason, finished)
+        return JobResult(status.job, list(status.nodes), value, metric, verdict, reason, finished, predicted)
 
     if status.state == "timeout":
         ran = f" after {status.elapsed_s:.0f} s" if status.elapsed_s is not None else ""
@@ -79,10 +88,18 @@ def judge_job(job_dir: Path, threshold: float, metric: str) -> JobResult:
                       finished=False)
     if found is None:
         return result("fail", missing)
-    measured, limit = format_rate(found.value), format_rate(threshold)
-    if found.value < threshold:
-        return result("fail", f"{measured} {unit} is below the threshold {limit} ({found.source})")
-    return result("pass", f"{measured} {unit} >= {limit} ({found.source})")
+    measured = format_rate(found.value)
+    if threshold is not None and found.value < threshold:
+        return result("fail", f"{measured} {unit} is below the threshold {format_rate(threshold)} ({found.source})")
+    if predict is not None:
+        from zerotrain.bench.job_prediction import PREDICTION_FLOOR
+
+        if predicted is None:
+            return result("fail" if threshold is None else "pass", f"{measured} {unit}; {no_prediction}")
+        ratio = found.value / predicted
+        words = f"{measured} {unit} = {ratio:.2f}x the predicted {format_rate(predicted)} ({found.source})"
+        return result("fail" if ratio < PREDICTION_FLOOR else "pass", words)
+    return result("pass", f"{measured} {unit} >= {format_rate(threshold)} ({found.source})")
 
 
 def suspect_nodes(results: list[JobResult]) -> list[str]:
@@ -103,14 +120,17 @@ def write_csv(results: list[JobResult], path: Path) -> None:
         writer.writerow(CSV_FIELDS)
         for r in results:
             value = "" if r.throughput is None else f"{r.throughput:.3f}"
-            writer.writerow([r.job, " ".join(r.nodes), value, r.metric, r.verdict, r.reason])
+            predicted = "" if r.predicted is None else f"{r.predicted:.3f}"
+            writer.writerow([r.job, " ".join(r.nodes), value, r.metric, r.verdict, r.reason, predicted])
 
 
-def report(run_dir: Path, threshold: float, metric: str) -> list[JobResult]:
+def report(run_dir: Path, threshold: float | None, metric: str, predict=None) -> list[JobResult]:
     """The verdict on every job of `run_dir`, in job order."""
     if metric not in METRICS:
         raise ReportError(f"--metric {metric}: choose one of {', '.join(METRICS)}.")
-    if threshold < 0:
+    if threshold is None and predict is None:
+        raise ReportError("say what a job must reach: --threshold X, or --predict (its step-time prediction)")
+    if threshold is not None and threshold < 0:
         raise ReportError(f"--threshold {threshold:g}: a throughput threshold cannot be negative.")
     if not run_dir.is_dir():
         raise ReportError(f"run folder {run_dir} does not exist; give the --out folder of `zerotrain bench run`.")
@@ -118,20 +138,27 @@ def report(run_dir: Path, threshold: float, metric: str) -> list[JobResult]:
     if not jobs:
         raise ReportError(f"{run_dir} holds no job folders (none has a {STATUS_FILE}); give the --out folder "
                           f"of `zerotrain bench run`.")
-    return [judge_job(job, threshold, metric) for job in jobs]
+    return [judge_job(job, threshold, metric, predict) for job in jobs]
 
 
-def print_report(results: list[JobResult], threshold: float, metric: str, console: Console) -> None:
+def print_report(results: list[JobResult], threshold: float | None, metric: str, console: Console) -> None:
     """The results table, the pass count and the suspects line."""
     unit = UNITS[metric]
-    table = Table(title=f"throughput per job ({unit}, threshold {format_rate(threshold)})")
-    for name, justify in (("job", "left"), ("nodes", "left"), (unit, "right"), ("verdict", "left"),
-                          ("reason", "left")):
+    against = [f"threshold {format_rate(threshold)}"] if threshold is not None else []
+    predicting = any(r.predicted is not None for r in results)
+    if predicting:
+        against.append("predicted by the step-time model")
+    table = Table(title=f"throughput per job ({unit}, {', '.join(against) or 'no threshold'})")
+    columns = [("job", "left"), ("nodes", "left"), (unit, "right")]
+    columns += [("predicted", "right")] if predicting else []
+    for name, justify in (*columns, ("verdict", "left"), ("reason", "left")):
         table.add_column(name, justify=justify)
     for r in results:
         value = "-" if r.throughput is None else f"{r.throughput:,.1f}"
+        predicted = ["-" if r.predicted is None else f"{r.predicted:,.1f}"] if predicting else []
         style = VERDICT_STYLE[r.verdict]
-        table.add_row(escape(r.job), escape(" ".join(r.nodes)), value, f"[{style}]{r.verdict}[/]", escape(r.reason))
+        table.add_row(escape(r.job), escape(" ".join(r.nodes)), value, *predicted, f"[{style}]{r.verdict}[/]",
+                      escape(r.reason))
     console.print(table)
     passed = sum(r.verdict == "pass" for r in results)
     console.print(f"{passed} of {len(results)} jobs passed", highlight=False)
@@ -158,7 +185,7 @@ def run_report(args: argparse.Namespace) -> int:
     csv_path = Path(args.csv) if args.csv else run_dir / "results.csv"
     plot_path = Path(args.plot) if args.plot else run_dir / "results.png"
     try:
-        results = report(run_dir, args.threshold, args.metric)
+        results = report(run_dir, args.threshold, args.metric, args if args.predict else None)
         write_csv(results, csv_path)
         save_chart(results, args.threshold, args.metric, plot_path)
     except (ReportError, OSError) as error:
@@ -180,8 +207,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "Exit 0 when every job passed, 1 when any did not.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the folder `zerotrain bench run --out` wrote")
-    parser.add_argument("--threshold", type=float, required=True, metavar="X",
-                        help="the least throughput a job must reach to pass (in --metric units)")
+    parser.add_argument("--threshold", type=float, default=None, metavar="X",
+                        help="the least throughput a job must reach to pass (in --metric units); "
+                        "required unless --predict")
+    parser.add_argument("--predict", action="store_true",
+                        help="predict each zerotrain train job's throughput on its nodes (step-time model; "
+                        "speeds from --gpu/--compute/--comm) and fail those under 0.8x their prediction")
+    from zerotrain.planning.speed_args import add_speed_args
+
+    add_speed_args(parser)
     parser.add_argument("--metric", choices=METRICS, default="samples_per_s",
                         help="what --threshold measures (default: samples_per_s)")
     parser.add_argument("--csv", metavar="FILE", help="where to write the CSV (default: RUN_DIR/results.csv)")

@@ -30,7 +30,7 @@ THRESHOLD_GID = "threshold"
 """The threshold line's gid: how a test (or a script) finds it among the axes' lines."""
 
 
-def build_chart(results: Sequence[ChartRow], threshold: float, metric: str) -> Figure:
+def build_chart(results: Sequence[ChartRow], threshold: float | None, metric: str) -> Figure:
     """The bar chart as a Figure: bars of the throughput found (none: an empty bar with the verdict over it)."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -42,13 +42,18 @@ def build_chart(results: Sequence[ChartRow], threshold: float, metric: str) -> F
     heights = [r.throughput or 0.0 for r in results]
     bars = axes.bar(positions, heights, color=[VERDICT_COLOURS[r.verdict] for r in results], edgecolor="black",
                     linewidth=0.5)
-    top = max([*heights, threshold, 1e-9])
+    predicted = [getattr(r, "predicted", None) for r in results]
+    top = max([*heights, threshold or 0.0, *(p or 0.0 for p in predicted), 1e-9])
     for bar, result in zip(bars, results):
         if result.verdict != "pass":
             axes.annotate(result.verdict, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                           xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
-    axes.axhline(threshold, color="black", linestyle="--", linewidth=1.2, gid=THRESHOLD_GID,
-                 label=f"{THRESHOLD_LABEL} {format_rate(threshold)}")
+    if threshold is not None:
+        axes.axhline(threshold, color="black", linestyle="--", linewidth=1.2, gid=THRESHOLD_GID,
+                     label=f"{THRESHOLD_LABEL} {format_rate(threshold)}")
+    if any(p is not None for p in predicted):  # each job's own prediction: a tick over its bar
+        axes.plot(list(positions), [float("nan") if p is None else p for p in predicted], linestyle="none",
+                  marker="_", markersize=18, markeredgewidth=2, color="black", label="predicted")
     axes.set_ylim(0, top * 1.15)
     axes.set_xticks(list(positions), [_tick_label(r) for r in results], rotation=45 if len(results) > 6 else 0,
                     ha="right" if len(results) > 6 else "center", fontsize=8)
@@ -69,7 +74,7 @@ def _tick_label(result: ChartRow) -> str:
     return f"{result.job}\n{nodes}" if len(nodes) <= 24 else result.job
 
 
-def save_chart(results: Sequence[ChartRow], threshold: float, metric: str, path: Path) -> Path:
+def save_chart(results: Sequence[ChartRow], threshold: float | None, metric: str, path: Path) -> Path:
     """Writes the chart to `path` as a PNG (its folder is made if needed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
