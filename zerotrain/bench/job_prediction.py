@@ -56,10 +56,14 @@ def predict_job(job_dir: Path, args: argparse.Namespace, metric: str = "tokens_p
         rung = Rung(int(zero.get("stage", 0)), offload("offload_optimizer"), offload("offload_param"),
                     bool(t.gradient_checkpointing))
         rates, _ = rates_from_args(args, per_node)
-        if rates.device.peak_tflops is None:  # measured on a CPU: Gloo ranks, whose reduce-scatter is an all-reduce
-            from dataclasses import replace
+        if rates.device.peak_tflops is None:  # measured on a CPU: Gloo ranks
+            from zerotrain.planning.hardware_rates import cpu_ranks
 
-            rates = replace(rates, reduce_scatter_is_all_reduce=True, overlap=False)
+            rates = cpu_ranks(rates)
+            if args.comm:
+                from zerotrain.planning.hardware_rates import with_comm_probe
+
+                rates = with_comm_probe(rates, args.comm)
         dtype = t.precision if t.precision in ("bf16", "fp16", "fp32") else ("bf16" if rates.device.peak_tflops else "fp32")
         step = predict_step(model, rung, Workload(cfg.data.seq_len, t.micro_batch_size, dtype),
                             Hardware(per_node, len(slots)), rates, t.gradient_accumulation_steps)

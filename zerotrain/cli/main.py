@@ -91,9 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         # `train` takes free-form --section.key VALUE overrides, which argparse cannot express.
+        from zerotrain.cli.train_prediction import predict_train_step
         from zerotrain.train.command import main_train
 
-        return main_train(argv[1:])
+        return main_train(argv[1:], predict=predict_train_step)
     parser = build_parser()
     if not argv:  # as git and cargo do: the commands, not an error
         parser.print_help()

@@ -82,6 +82,8 @@ _INTRA = {
     "nvlink2": Link("NVLink 2 (V100 SXM2)", 130.0, 4e-6),
     "pcie5": Link("PCIe 5 x16", 40.0, 6e-6),
     "pcie4": Link("PCIe 4 x16", 20.0, 6e-6),
+    # CPU ranks of one machine under Gloo (bench/bandwidth.py: TCP moves ~1 GB/s at best).
+    "gloo-loopback": Link("Gloo over loopback TCP", 1.0, 30e-6),
 }
 # Inter-node: (line rate per NIC in Gbit/s, NICs per node: None = one per GPU, fraction NCCL reaches).
 _INTER = {
@@ -150,6 +152,14 @@ def named_rates(device: str = "h100", intra: str | None = None, inter: str | Non
     return Rates(dev, link, between, sources=tuple(sources))
 
 
+def cpu_ranks(rates: Rates) -> Rates:
+    """`rates` for Gloo ranks on CPUs: no overlap (collectives run on the cores that compute), no
+    reduce-scatter (the engine all-reduces), and loopback TCP between them unless `bench comm` said."""
+    named = tuple(s for s in rates.sources if not s.startswith("intra-node:"))
+    return replace(rates, intra=_INTRA["gloo-loopback"], overlap=False, reduce_scatter_is_all_reduce=True,
+                   sources=named + ("intra-node: Gloo over loopback TCP default",))
+
+
 def inter_node_link(name: str, gpus_per_node: int) -> Link:
     """The inter-node link `name` for nodes of `gpus_per_node` GPUs (per-GPU NICs scale with it)."""
     gbit, nics, efficiency, words = _pick(_INTER, name, "inter-node link")
@@ -182,12 +192,13 @@ def with_compute_probe(rates: Rates, path: str | Path) -> Rates:
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: not a bench compute result ({error!r} missing or wrong)") from None
     on_cpu = data.get("device_type") == "cpu"
+    named = tuple(s for s in rates.sources if not s.startswith(rates.device.name))  # the probe replaces them
     layer, head = data.get("layer_tflops"), data.get("head_tflops")
     return replace(rates, device=dev, cpu_adam_elements_per_s=cpu_adam,
                    attention_tflops=float(attention) if attention else None,
                    layer_tflops=float(layer) if layer else None, head_tflops=float(head) if head else None,
                    overlap=rates.overlap and not on_cpu,
-                   sources=rates.sources + (f"compute: measured by bench compute ({path})",))
+                   sources=named + (f"compute: measured by bench compute ({path})",))
 
 
 def with_comm_probe(rates: Rates, path: str | Path) -> Rates:

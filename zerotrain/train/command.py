@@ -118,8 +118,11 @@ def _flag_value(args: list[str], i: int, name: str) -> tuple[str, int]:
     return args[i + 1], i + 1
 
 
-def main_train(argv: Sequence[str]) -> int:
-    """`zerotrain train`: returns the exit status (a Ctrl-C before training starts is cli.main's)."""
+def main_train(argv: Sequence[str], predict=None) -> int:
+    """`zerotrain train`: returns the exit status (a Ctrl-C before training starts is cli.main's).
+
+    `predict(cfg, world, per_node)`: the step-time prediction to leave in the run folder for the
+    trainer to compare with (the command layer passes it: train does not import planning)."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.config.error_report import print_user_error
     from zerotrain.train.config_files import load_train_config
@@ -130,6 +133,7 @@ def main_train(argv: Sequence[str]) -> int:
     from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
     from zerotrain.train.run_folder import discard_unstarted_run, first_missing_folder
     from zerotrain.train.run_folder import require_checkpoint_to_resume
+    from zerotrain.train.step_prediction import write_prediction
     from zerotrain.train.zero_fill import check_batch_at_world
 
     try:
@@ -150,8 +154,14 @@ def main_train(argv: Sequence[str]) -> int:
         if flags["resume"] and not under_launcher:
             require_checkpoint_to_resume(run_dir, config)
         resolve_resume(resume, run_dir)  # a bad training.resume fails now, not after start-up
+        prediction = None
         if not under_launcher and not set(flags["launch"]) - RENDEZVOUS_FLAGS:
             check_batch_at_world(cfg, _local_processes(flags))  # multi-node: the nodes' ranks check it
+            if predict is not None and not flags["detach"]:  # a detached run predicts in its own process
+                prediction = predict(cfg, _local_processes(flags), _local_processes(flags))
+        elif predict is not None and under_launcher and os.environ.get("RANK") == "0":
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            prediction = predict(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except (ValueError, ConfigError) as error:
         print_user_error("zerotrain train", error)
         return USAGE_EXIT_CODE
@@ -168,12 +178,16 @@ def main_train(argv: Sequence[str]) -> int:
                 f"[yellow]--overwrite: removed the earlier run's {', '.join(removed)} from {escape(str(run_dir))}[/]"
             )
     if under_launcher:
+        if prediction is not None:
+            write_prediction(run_dir, prediction)
         return run_in_this_process(cfg, resume)
     from zerotrain.launcher.local import DEFAULT_MASTER_ADDR, LaunchError, LocalLaunch, launch_local
 
     nproc = _local_processes(flags)
     made = first_missing_folder(run_dir)  # removed again if the ranks fail before training
     write_pid(run_dir)
+    if prediction is not None:
+        write_prediction(run_dir, prediction)
     given = flags["launch"]
     code = 1
     try:

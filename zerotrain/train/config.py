@@ -216,6 +216,11 @@ class LoggingSection(ConfigSection):
     """TensorBoard logging."""
     wandb: WandbSection = Field(default_factory=WandbSection)
     """Weights & Biases logging."""
+    compute_probe: str | None = None
+    """A `zerotrain bench compute --json` file of this machine: the first timed steps are compared with
+    the step-time model's prediction (a known GPU is predicted from its defaults without one)."""
+    comm_probe: str | None = None
+    """A `zerotrain bench comm --json` file of these nodes, for that prediction's collectives."""
 
 
 class OutputSection(ConfigSection):
@@ -323,6 +328,7 @@ PATH_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("model", "path"): (), ("model", "config"): (), ("model", "tokenizer"): ("byte",),
     ("data", "path"): (), ("data", "eval_path"): (), ("data", "cache_dir"): (),
     ("training", "resume"): ("auto", "never"), ("logging", "tensorboard", "dir"): (), ("output", "dir"): (),
+    ("logging", "compute_probe"): (), ("logging", "comm_probe"): (),
     ("zero", "zero_optimization", "offload_optimizer", "nvme_path"): (),
     ("zero", "zero_optimization", "offload_param", "nvme_path"): (),
 }

@@ -37,6 +37,7 @@ from zerotrain.train.hang_watch import HangWatch
 from zerotrain.train.run_state import RunState
 from zerotrain.train.run_folder import checkpoint_tag, clear_interrupted_saves, resolve_resume, run_tags_up_to
 from zerotrain.train.run_folder import tags_to_prune
+from zerotrain.train.step_prediction import comparison, read_prediction
 
 log = logging.getLogger("zerotrain")
 # Tests simulate a crash (every rank SIGKILLed right after this step) to check resumption.
@@ -108,6 +109,7 @@ class Trainer:
         self.flops_per_step: float | None = None  # this rank's, counted on the first micro-batch
         if self.state.flops.get("shape") == self._flops_shape():
             self.flops_per_step = self.state.flops.get("per_step")
+        self.prediction = read_prediction(self.run_dir, self.world) if self.rank == 0 else None
         if self.rank == 0:
             mark_started(self.run_dir)  # every rank has built its engine: `--detach` may report started
 
@@ -126,7 +128,7 @@ class Trainer:
         engine = self.engine
         engine.train()
         start = time.perf_counter()
-        first_step = self.state.step
+        first_step = self.first_step = self.state.step
         window = _Window(self.state.step, start)
         last_loss = math.nan
         last_eval: dict = self.metrics.earlier_eval()  # a resumed run that stops before its first evaluation
@@ -246,6 +248,9 @@ class Trainer:
             "mfu": tflops / self.peak if self.peak else math.nan,
             "elapsed_s": self.state.train_seconds + time.perf_counter() - start,
         }
+        if self.prediction is not None and window.first_step > self.first_step:  # not the warm-up window
+            progress.note(comparison(step_s, self.prediction))
+            self.prediction = None  # said once
         for r, rank_memory in enumerate(memory):
             row.update(rank_memory.columns(r))
         self.metrics.log_train(row)

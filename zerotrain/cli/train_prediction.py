@@ -1,0 +1,54 @@
+"""The step-time model's prediction for a `zerotrain train` run, made before any rank starts.
+
+`train` may not import `planning` (planning reads train configs), so the command layer hands
+this function to `main_train`, which writes what it returns to RUN/predicted_step.json; the
+trainer compares its first timed steps with it (train/step_prediction.py). Speeds: a known GPU's
+named defaults, or the files `logging.compute_probe` / `logging.comm_probe` name; with neither
+(a CPU with no probe) there is no prediction and nothing is said.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_KNOWN_GPUS = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100"), ("A100-SXM4-40GB", "a100-40gb"),
+               ("A100", "a100-80gb"), ("V100", "v100"), ("L40S", "l40s"))
+
+
+def predict_train_step(cfg, world: int, per_node: int) -> dict[str, Any] | None:
+    """The predicted step of `cfg` on `world` ranks (`per_node` per node), as JSON-ready data, or None.
+
+    Raises ValueError for a probe file that cannot be read (before any rank starts).
+    """
+    from zerotrain.planning.hardware_rates import cpu_ranks, named_rates, with_comm_probe, with_compute_probe
+    from zerotrain.planning.ladder import Rung
+    from zerotrain.planning.model_source import load_meta_model
+    from zerotrain.planning.rung_memory import Hardware, Workload
+    from zerotrain.planning.step_time import predict_step
+
+    probes = cfg.logging
+    gpu = None
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        gpu = next((key for text, key in _KNOWN_GPUS if text in name), None)
+    if gpu is None and not probes.compute_probe:
+        return None
+    rates = named_rates(gpu or "h100")
+    if probes.compute_probe:
+        rates = with_compute_probe(rates, probes.compute_probe)
+    if gpu is None:
+        rates = cpu_ranks(rates)
+    if probes.comm_probe:
+        rates = with_comm_probe(rates, probes.comm_probe)
+    zero = (cfg.zero_dict().get("zero_optimization") or {})
+    offload = lambda key: (zero.get(key) or {}).get("device") or "none"  # noqa: E731
+    t = cfg.training
+    rung = Rung(int(zero.get("stage", 0)), offload("offload_optimizer"), offload("offload_param"),
+                bool(t.gradient_checkpointing))
+    dtype = t.precision if t.precision in ("bf16", "fp16", "fp32") else ("bf16" if gpu else "fp32")
+    step = predict_step(load_meta_model(cfg.model), rung, Workload(cfg.data.seq_len, t.micro_batch_size, dtype),
+                        Hardware(per_node, max(1, world // per_node)), rates, t.gradient_accumulation_steps)
+    return {"step_s": step.step_s, "bottleneck": step.bottleneck, "world_size": world, "rung": rung.name,
+            "speeds": list(rates.sources), "predicted": step.as_dict()}
