@@ -17,8 +17,9 @@ from zerotrain.bench.compute_probe import (
 from conftest import device_env, on_gpu
 
 TOP_KEYS = ["kind", "version", "device", "device_type", "dtype", "threads", "shapes", "matmul", "matmul_tflops",
-            "attention_tflops", "cpu_adam_elements_per_s", "device_adam_elements_per_s", "host_to_device_gbps",
-            "device_to_host_gbps", "peak_tflops", "efficiency", "measured_at"]
+            "attention_tflops", "cpu_adam_elements_per_s", "device_adam_elements_per_s", "copy_gbps",
+            "fresh_copy_gbps", "copy_bytes", "host_to_device_gbps", "device_to_host_gbps", "peak_tflops",
+            "efficiency", "measured_at"]
 
 
 # --- the formulas ------------------------------------------------------------------------------
@@ -81,6 +82,85 @@ def test_shapes_from_flags_and_from_a_model():
         resolve_shapes(_args(hidden=500, heads=3), "cpu")
 
 
+# --- the model's own layer and head, copies on the device --------------------------------------------
+
+TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 128}
+
+
+def _meta(architecture: str, **sizes):
+    from zerotrain.planning.model_source import load_meta_model
+
+    return load_meta_model(architecture, sizes)
+
+
+@pytest.mark.parametrize("architecture, sizes", [
+    ("llama", TINY_LLAMA),
+    ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300, "n_positions": 64}),
+])
+def test_layer_and_head_rates_count_model_flops_per_layer_and_head(monkeypatch, architecture, sizes):
+    import torch
+
+    from zerotrain.bench import compute_probe as probe
+    from zerotrain.bench.compute import measure_model
+    from zerotrain.planning.model_flops import model_flops
+
+    meta = _meta(architecture, **sizes)
+    shapes = Shapes(hidden=64, intermediate=160, tokens=3 * 16, heads=4, head_dim=16, batch=3, seq_len=16)
+    timed = []
+
+    def one_second(fn, device, warmup, iters):
+        fn()  # the layer (or the head) really runs forward and backward once
+        timed.append(fn)
+        return 1.0
+
+    monkeypatch.setattr(probe, "median_seconds", one_second)
+    rates = measure_model(meta, shapes, torch.float32, torch.device("cpu"), 0, 1, lambda text: None)
+    f = model_flops(meta, 16)
+    # One layer's forward, x3 for forward + backward, per sample, x micro-batch; the head the same way.
+    assert rates == {"layer_tflops": pytest.approx(3 * (f.layer_matmul + f.layer_attention) / f.layers * 3 / 1e12),
+                     "head_tflops": pytest.approx(3 * f.head_matmul * 3 / 1e12)}
+    assert len(timed) == 2
+
+
+def test_the_one_layer_copy_is_the_models_layer_on_the_device_in_the_dtype():
+    import torch
+
+    from zerotrain.bench.compute_probe import measure_head, measure_layer, one_layer_model
+
+    model, layer = one_layer_model(_meta("llama", **TINY_LLAMA), torch.bfloat16, torch.device("cpu"))
+    assert model.config.num_hidden_layers == 1 and model.model.layers[0] is layer
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # q and o 64 x 64; k and v 64 x (2 kv heads x 16); gate, up, down 64 x 160; two norms of 64.
+    assert sum(p.numel() for p in layer.parameters()) == 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64
+    assert measure_layer(model, layer, 2, 8, torch.device("cpu"), 0, 1) > 0
+    assert all(p.grad is not None for p in layer.parameters())  # backward reached every weight of the layer
+    assert measure_head(model, 2, 8, torch.device("cpu"), 0, 1) > 0
+    assert model.lm_head.weight.grad is not None and model.model.norm.weight.grad is not None
+
+
+def test_device_copies_into_an_existing_and_a_new_buffer():
+    import torch
+
+    from zerotrain.bench.compute_probe import measure_device_copy
+
+    into, fresh = measure_device_copy(torch.device("cpu"), 1 << 20, 0, 2)
+    assert into > 0 and fresh > 0
+
+
+def test_a_model_without_a_layer_count_leaves_the_layer_rates_out():
+    import torch
+    from torch import nn
+
+    from zerotrain.bench.compute import measure_model
+
+    class NoLayers(nn.Module):
+        config = type("Config", (), {"hidden_size": 8, "num_attention_heads": 2})()
+
+    shapes = Shapes(hidden=8, intermediate=16, tokens=4, heads=2, head_dim=4, batch=1, seq_len=4)
+    assert measure_model(NoLayers(), shapes, torch.float32, torch.device("cpu"), 0, 1, lambda text: None) == {}
+
+
 # --- the command ----------------------------------------------------------------------------------
 
 SMALL = ["--hidden", "128", "--intermediate", "352", "--tokens", "128", "--iters", "3", "--warmup", "1",
@@ -112,6 +192,8 @@ def test_cli_writes_the_json_the_step_time_model_reads(zerotrain_cli, device):
     assert doc["matmul_tflops"] == pytest.approx(total_flops / sum(r["seconds"] for r in rows) / 1e12)
     assert min(r["tflops"] for r in rows) <= doc["matmul_tflops"] <= max(r["tflops"] for r in rows)
     assert doc["attention_tflops"] > 0 and doc["cpu_adam_elements_per_s"] > 0
+    assert doc["copy_gbps"] > 0 and doc["fresh_copy_gbps"] > 0
+    assert doc["copy_bytes"] == (1 << 30 if on_cuda else 64 << 20)
     if on_cuda:
         assert doc["host_to_device_gbps"] > 0 and doc["device_to_host_gbps"] > 0
         if doc["peak_tflops"] is not None:
@@ -123,6 +205,20 @@ def test_cli_writes_the_json_the_step_time_model_reads(zerotrain_cli, device):
         assert doc["efficiency"] is None
     datetime.fromisoformat(doc["measured_at"])
     assert "matmul_tflops" in proc.stdout and "qkv grad weight" in proc.stdout and "fused" in proc.stdout
+
+
+@pytest.mark.slow
+def test_cli_with_a_model_adds_its_layer_and_head_rates(zerotrain_cli):
+    sizes = [f"--config-override={k}={v}" for k, v in TINY_LLAMA.items()]
+    proc = zerotrain_cli("bench", "compute", "llama", *sizes, "--seq-len", "32", "--micro-batch", "2", "--iters", "2",
+                         "--warmup", "1", "--optimizer-elements", "64K", "--threads", "1", "--json", "c.json",
+                         env=device_env("cpu"), timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((zerotrain_cli.cwd / "c.json").read_text())
+    keys = TOP_KEYS[:TOP_KEYS.index("attention_tflops") + 1] + ["layer_tflops", "head_tflops"]
+    assert list(doc)[:len(keys)] == keys and doc["layer_tflops"] > 0 and doc["head_tflops"] > 0
+    assert doc["shapes"]["tokens"] == 64 and "layer_tflops" in proc.stdout
+    assert doc["copy_bytes"] == 64 << 20  # at least 64 MiB: the model's gradients (168K fp32) are less
 
 
 @pytest.mark.slow

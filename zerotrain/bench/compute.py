@@ -8,7 +8,12 @@ Measures (compute_probe.py) a transformer layer's GEMMs forward and backward, ca
 backward, Adam steps on the CPU and on the device, and pinned host <-> device copies, and writes
 them as the JSON `zerotrain plan --compute FILE` calibrates its step times with (`JSON_KIND`, version
 `JSON_VERSION`; the key names are that contract). MODEL (as `zerotrain plan` takes it) sizes the layer;
-flags override it.
+flags override it. With MODEL it also times the model's own decoder layer (`layer_tflops`: a one-layer
+copy of the model built on the device, its layer called with the arguments the model gives it) and its
+final norm + LM head + loss (`head_tflops`), forward + backward at --micro-batch x --seq-len, FLOPs
+counted as planning/model_flops.py counts them; an architecture whose layers or head are not found
+leaves those keys out. `copy_gbps` and `fresh_copy_gbps`: copies on the device into an existing and
+into a newly allocated buffer (MODEL's gradient size), the engine's own gradient-buffer traffic.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ JSON_KIND = "zerotrain-bench-compute"
 JSON_VERSION = 1
 # Defaults per device: a GPU gets a 7B-class layer; the CPU a small one, so the probe takes seconds.
 DEFAULTS = {"cuda": {"hidden": 4096, "intermediate": 11008, "seq_len": 2048, "micro_batch": 2,
-                     "optimizer_elements": 16 << 20},
+                     "optimizer_elements": 16 << 20, "copy_bytes": 1 << 30},
             "cpu": {"hidden": 512, "intermediate": 1376, "seq_len": 512, "micro_batch": 1,
-                    "optimizer_elements": 4 << 20}}
+                    "optimizer_elements": 4 << 20, "copy_bytes": 64 << 20}}
 HEAD_DIM = 128
 """Without MODEL or --heads: hidden / 128 heads."""
 _SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -99,11 +104,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_compute)
 
 
-def _model_dims(args: argparse.Namespace) -> dict[str, int]:
-    """hidden, intermediate, heads, head_dim and seq_len from MODEL's config (ConfigError/ValueError)."""
+def _model_dims(args: argparse.Namespace, model) -> dict[str, int]:
+    """hidden, intermediate, heads, head_dim and seq_len from MODEL's (meta) model's config (ValueError)."""
     from zerotrain.planning import planning_args as pa
 
-    model = pa.load_model(args)
     config = model.config
 
     def value(*names):
@@ -151,8 +155,38 @@ def device_name(device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def measure(args: argparse.Namespace, device, dtype_name: str, shapes, status=None) -> tuple[dict, dict]:
-    """(the JSON document, console-only notes) of one probe run."""
+def measure_model(meta_model, shapes, dtype, device, warmup: int, iters: int, show) -> dict:
+    """`layer_tflops` and `head_tflops` of MODEL's own decoder layer and LM head (with its loss), forward +
+    backward at (micro-batch, seq-len), counted as planning/model_flops.py counts them (backward twice the
+    forward): {} for an architecture whose layers or head are not found."""
+    from zerotrain.bench import compute_probe as probe
+    from zerotrain.planning.model_flops import model_flops
+
+    try:
+        flops = model_flops(meta_model, shapes.seq_len)
+    except ValueError:
+        return {}
+    show("the model's own layer (forward + backward)")
+    built = probe.one_layer_model(meta_model, dtype, device)
+    if built is None:
+        return {}
+    model, layer = built
+    out = {}
+    seconds = probe.measure_layer(model, layer, shapes.batch, shapes.seq_len, device, warmup, iters)
+    layer_flops = 3 * (flops.layer_matmul + flops.layer_attention) / flops.layers * shapes.batch
+    out["layer_tflops"] = layer_flops / seconds / 1e12
+    show("the model's LM head and loss (forward + backward)")
+    seconds = probe.measure_head(model, shapes.batch, shapes.seq_len, device, warmup, iters)
+    if seconds and flops.head_matmul:
+        out["head_tflops"] = 3 * flops.head_matmul * shapes.batch / seconds / 1e12
+    del model, layer
+    return out
+
+
+def measure(args: argparse.Namespace, device, dtype_name: str, shapes, status=None,
+            meta_model=None) -> tuple[dict, dict]:
+    """(the JSON document, console-only notes) of one probe run; with `meta_model` (MODEL) also its own
+    layer's and head's rates."""
     import torch
 
     from zerotrain.bench import compute_probe as probe
@@ -167,6 +201,17 @@ def measure(args: argparse.Namespace, device, dtype_name: str, shapes, status=No
     rows = probe.measure_matmuls(shapes, dtype, device, args.warmup, args.iters, show)
     show("attention (causal SDPA forward + backward)")
     attention = probe.measure_attention(shapes, dtype, device, args.warmup, args.iters)
+    own = measure_model(meta_model, shapes, dtype, device, args.warmup, args.iters, show) if meta_model else {}
+    copy_bytes = DEFAULTS[device.type]["copy_bytes"]
+    if meta_model is not None:  # the size of the model's gradients in the probe's dtype
+        from zerotrain.planning.model_source import count_parameters
+
+        copy_bytes = count_parameters(meta_model)[0] * torch.empty(0, dtype=dtype).element_size()
+        # At least 64 MiB: on the CPU a buffer that large comes from the OS (glibc's mmap threshold is at
+        # most 32 MiB), as the engine's gradient buffers do.
+        copy_bytes = min(max(copy_bytes, DEFAULTS["cpu"]["copy_bytes"]), 4 << 30)
+    show(f"copies on the device ({copy_bytes / 2**20:,.0f} MiB)")
+    copy, fresh_copy = probe.measure_device_copy(device, copy_bytes, args.warmup, args.iters)
     show(f"Adam on the CPU ({elements:,} elements)")
     cpu_adam, cpu_impl = probe.measure_adam(elements, torch.device("cpu"), args.warmup, args.iters)
     device_adam, device_impl = cpu_adam, cpu_impl
@@ -181,8 +226,9 @@ def measure(args: argparse.Namespace, device, dtype_name: str, shapes, status=No
     matmul = probe.overall_tflops(rows)
     doc = {"kind": JSON_KIND, "version": JSON_VERSION, "device": name, "device_type": device.type,
            "dtype": dtype_name, "threads": torch.get_num_threads(), "shapes": shapes.as_dict(), "matmul": rows,
-           "matmul_tflops": matmul, "attention_tflops": attention, "cpu_adam_elements_per_s": cpu_adam,
-           "device_adam_elements_per_s": device_adam, "host_to_device_gbps": h2d, "device_to_host_gbps": d2h,
+           "matmul_tflops": matmul, "attention_tflops": attention, **own, "cpu_adam_elements_per_s": cpu_adam,
+           "device_adam_elements_per_s": device_adam, "copy_gbps": copy, "fresh_copy_gbps": fresh_copy,
+           "copy_bytes": copy_bytes, "host_to_device_gbps": h2d, "device_to_host_gbps": d2h,
            "peak_tflops": peak, "efficiency": matmul / peak if peak else None,
            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     notes = {"cpu_adam_impl": cpu_impl, "device_adam_impl": device_impl, "elements": elements,
@@ -214,10 +260,18 @@ def print_results(console: Console, doc: dict, notes: dict) -> None:
     impls = (f"{notes['cpu_adam_impl']} torch.optim.Adam", f"{notes['device_adam_impl']} torch.optim.Adam")
     lines = [("matmul_tflops", _rate(doc["matmul_tflops"]), "all GEMMs: total FLOPs / total time"),
              ("attention_tflops", _rate(doc["attention_tflops"]), attention),
+             *[(key, _rate(doc[key]), what) for key, what in (
+                 ("layer_tflops", f"MODEL's own decoder layer fwd+bwd, b={notes['batch']} s={notes['seq_len']} "
+                  "(model_flops' count)"),
+                 ("head_tflops", "MODEL's final norm + LM head + loss fwd+bwd (model_flops' count)"))
+               if key in doc],
              ("cpu_adam_elements_per_s", _rate(doc["cpu_adam_elements_per_s"], 0),
               f"{impls[0]}, {notes['elements']:,} fp32 elements"),
              ("device_adam_elements_per_s", _rate(doc["device_adam_elements_per_s"], 0),
               impls[1] + (" on the GPU" if doc["device_type"] == "cuda" else " (the CPU: same figure)")),
+             ("copy_gbps", _rate(doc["copy_gbps"]), f"copy on the device into an existing buffer "
+              f"({doc['copy_bytes'] / 2**20:,.0f} MiB; with MODEL its gradients' size), GB/s = 1e9 B copied/s"),
+             ("fresh_copy_gbps", _rate(doc["fresh_copy_gbps"]), "the same into a newly allocated buffer each time"),
              ("host_to_device_gbps", _rate(doc["host_to_device_gbps"]), "pinned 256 MiB copy, GB/s = 1e9 B/s"),
              ("device_to_host_gbps", _rate(doc["device_to_host_gbps"]), "pinned 256 MiB copy"),
              ("peak_tflops", _rate(doc["peak_tflops"], 1), "datasheet dense peak for this dtype (known GPUs)"),
@@ -245,7 +299,12 @@ def run_compute(args: argparse.Namespace) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if args.model is None and args.config_overrides:
             raise ValueError("--config-override needs MODEL")
-        dims = _model_dims(args) if args.model is not None else None
+        meta_model = None
+        if args.model is not None:
+            from zerotrain.planning import planning_args as pa
+
+            meta_model = pa.load_model(args)
+        dims = _model_dims(args, meta_model) if meta_model is not None else None
         shapes = resolve_shapes(args, device.type, dims)
     except (ConfigError, ValueError, OSError) as error:
         print_user_error(prefix, error)
@@ -256,7 +315,7 @@ def run_compute(args: argparse.Namespace) -> int:
     out, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
     try:
         with err.status(f"{prefix}: starting") as status:
-            doc, notes = measure(args, device, dtype, shapes, status)
+            doc, notes = measure(args, device, dtype, shapes, status, meta_model)
     except torch.cuda.OutOfMemoryError as error:
         print_user_error(prefix, error, message="out of device memory: lower --tokens, --intermediate or "
                          "--optimizer-elements")

@@ -6,7 +6,10 @@
   full s x s square (4.b.n.s.s.d forward, twice that backward), causal or not.
 - Adam: torch.optim.Adam steps over one flat fp32 tensor (ZeRO's flat master shard), fused where torch
   has the kernel (the engine's choice for CPU masters, zerotrain/optim/optimizers.py), else foreach.
-- copies: pinned host <-> device copies of one 256 MiB buffer (GB/s = 1e9 bytes/s).
+- copies: pinned host <-> device copies of one 256 MiB buffer (GB/s = 1e9 bytes/s), and copies on the
+  device into an existing and into a newly allocated buffer (the engine's gradient-buffer traffic).
+- the model's own layer and head (with MODEL): a one-layer copy of the model on the device, its decoder
+  layer called with the arguments the model gives it, and its final norm + LM head + loss.
 
 Every time is the median of `iters` repeats after `warmup` untimed ones: CUDA events on a GPU
 (recorded back to back, read after one synchronize), time.perf_counter on the CPU.
@@ -165,6 +168,21 @@ def measure_adam(elements: int, device: torch.device, warmup: int, iters: int) -
     return elements / seconds, impl
 
 
+def measure_device_copy(device: torch.device, size: int, warmup: int, iters: int) -> tuple[float, float]:
+    """(into an existing buffer, into a new one) GB/s of copying `size` bytes on the device, as the engine
+    copies gradients into its flat buffers: GB/s = bytes copied / time (each read once and written once).
+    A new buffer is allocated for every copy and dropped after it: on the CPU a buffer this large comes
+    from the OS every time (its pages are faulted in as they are written); a GPU's caching allocator
+    reuses the block."""
+    elements = max(1, size // 4)
+    src = torch.randn(elements, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    into = median_seconds(lambda: dst.copy_(src), device, warmup, iters)
+    del dst
+    fresh = median_seconds(lambda: torch.empty_like(src).copy_(src), device, warmup, iters)
+    return elements * 4 / into / 1e9, elements * 4 / fresh / 1e9
+
+
 def measure_copies(device: torch.device, warmup: int, iters: int, size: int = COPY_BYTES) -> tuple[float, float]:
     """(host to device, device to host) GB/s of pinned copies of `size` bytes."""
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
@@ -172,3 +190,117 @@ def measure_copies(device: torch.device, warmup: int, iters: int, size: int = CO
     to_device = median_seconds(lambda: on_device.copy_(host, non_blocking=True), device, warmup, iters)
     to_host = median_seconds(lambda: host.copy_(on_device, non_blocking=True), device, warmup, iters)
     return size / to_device / 1e9, size / to_host / 1e9
+
+
+# --- the model's own layer and head -------------------------------------------------------------
+
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
+
+
+def _layer_list_name(meta_model: torch.nn.Module) -> str | None:
+    """The qualified name of the ModuleList holding the decoder layers (zero.units' choice), if any."""
+    from zerotrain.zero.units import find_layer_units
+
+    units = find_layer_units(meta_model)
+    if not units:
+        return None
+    for name, module in meta_model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and module[0] is units[0]:
+            return name
+    return None
+
+
+def one_layer_model(meta_model: torch.nn.Module, dtype: torch.dtype, device: torch.device):
+    """(the same causal LM with one decoder layer, built on `device` in `dtype`, that layer), or None
+    for a model whose layer count or layer list is not found (the layer rates are then left out)."""
+    import copy
+
+    name = _layer_list_name(meta_model)
+    config = copy.deepcopy(meta_model.config)
+    keys = [key for key in _LAYER_COUNT_KEYS if isinstance(getattr(config, key, None), int)]
+    if name is None or not keys:
+        return None
+    for key in keys:
+        setattr(config, key, 1)
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer kinds (sliding, full, ...)
+        config.layer_types = config.layer_types[:1]
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # a cache would grow with every timed call
+    with torch.device(device):
+        model = type(meta_model)(config)
+    model = model.to(dtype).train()
+    layers = model.get_submodule(name)
+    return (model, layers[0]) if len(layers) == 1 else None
+
+
+def _grads_to_none(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def measure_layer(model: torch.nn.Module, layer: torch.nn.Module, batch: int, seq_len: int, device: torch.device,
+                  warmup: int, iters: int) -> float:
+    """Seconds of one decoder layer's forward + backward on (batch, seq_len) tokens, called with the
+    arguments the model itself gives it (rotary embeddings, mask), captured on one forward."""
+    captured: dict = {}
+
+    def capture(_module, args, kwargs):
+        captured.setdefault("call", (args, kwargs))
+
+    handle = layer.register_forward_pre_hook(capture, with_kwargs=True)
+    ids = torch.randint(0, int(model.config.vocab_size), (batch, seq_len), device=device)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    args, kwargs = captured["call"]
+
+    def detached(value):
+        return value.detach() if isinstance(value, torch.Tensor) else (
+            tuple(detached(v) for v in value) if isinstance(value, tuple) else value)
+
+    hidden = args[0] if args else kwargs.pop("hidden_states")
+    rest = tuple(detached(a) for a in args[1:])
+    kwargs = {k: detached(v) for k, v in kwargs.items()}
+    x = hidden.detach().clone().requires_grad_()
+    grad_out = torch.randn_like(x) * 1e-3
+
+    def step():
+        _grads_to_none(layer)
+        x.grad = None
+        out = layer(x, *rest, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.backward(grad_out)
+
+    return median_seconds(step, device, warmup, iters)
+
+
+def measure_head(model: torch.nn.Module, batch: int, seq_len: int, device: torch.device, warmup: int,
+                 iters: int) -> float | None:
+    """Seconds of the final norm, the LM head and the loss (the model's own loss function) forward +
+    backward on hidden states of (batch, seq_len); None when the head or the final norm is not found."""
+    head = model.get_output_embeddings()
+    base = getattr(model, "base_model", model)
+    norm = next((getattr(base, n) for n in _FINAL_NORMS if isinstance(getattr(base, n, None), torch.nn.Module)),
+                None)
+    if head is None or norm is None:
+        return None
+    vocab = int(model.config.vocab_size)
+    dtype = head.weight.dtype
+    x = _randn(batch, seq_len, head.in_features, dtype=dtype, device=device).requires_grad_()
+    labels = torch.randint(0, vocab, (batch, seq_len), device=device)
+    loss_function = getattr(model, "loss_function", None)
+
+    def loss_of(logits):
+        if loss_function is not None:
+            return loss_function(logits, labels, vocab)
+        return F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1))
+
+    def step():
+        _grads_to_none(model)
+        x.grad = None
+        loss_of(head(norm(x))).backward()
+
+    return median_seconds(step, device, warmup, iters)

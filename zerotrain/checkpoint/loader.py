@@ -124,6 +124,11 @@ def _read_values(reader: CheckpointReader, name: str, start: int, numel: int) ->
     return None
 
 
+# How this engine's optimizer runs on its own device, not training state: a CPU run's fused CPU Adam
+# must not make a GPU run take CUDA's fused kernel with its `step` counters left on the CPU.
+KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
 def _load_optimizer_state(engine, reader: CheckpointReader) -> None:
     inner = engine.optimizer.optimizer
     meta = reader.meta
@@ -154,7 +159,7 @@ def _load_optimizer_state(engine, reader: CheckpointReader) -> None:
             )
     for group, saved in zip(inner.param_groups, meta["param_groups"]):
         for key, value in saved.items():
-            if key in group:
+            if key in group and key not in KERNEL_CHOICES:
                 if not _same_kind(group[key], value):
                     raise CheckpointError(
                         f"{reader.tag_dir / META}: param_groups gives {key} as {value!r:.60}, where this optimizer "

@@ -2,9 +2,10 @@
 
 Every rate comes from one of two places, and `Rates.sources` says which:
 
-* a probe's JSON: `zerotrain bench compute --json` (matmul, attention and optimizer rates,
-  host<->device copies) and `zerotrain bench comm --json` (collective times over sizes, fitted
-  here to a latency and a bus bandwidth per collective);
+* a probe's JSON: `zerotrain bench compute --json` (matmul, attention and optimizer rates, the model's
+  own layer and head, copies on the device and host<->device) and `zerotrain bench comm --json`
+  (collective times over sizes, fitted here to a latency and a bus bandwidth per collective, and kept
+  to interpolate between on as many ranks);
 * a named default: a device (`h100`, `a100-80gb`, ...: datasheet peak x one efficiency per
   device) and links (`nvlink4`, `pcie5`, `ib-ndr`, `400gbe`, ...: line rate x the fraction
   NCCL reaches on it).
@@ -53,11 +54,27 @@ class Link:
 
 @dataclass(frozen=True)
 class CollectiveFit:
-    """A collective fitted from `bench comm`: t(S) = fixed_s + S * factor / busbw."""
+    """A collective fitted from `bench comm`: t(S) = fixed_s + S * factor / busbw, and the measurements."""
 
     fixed_s: float
     busbw_gbps: float
     ranks: int
+    measured: tuple[tuple[float, float], ...] = ()
+    """(S bytes, seconds) as `bench comm` timed them, by size: on `ranks` ranks, a size between two of them
+    is interpolated between those two rather than read off the line (see `measured_s`)."""
+
+    def measured_s(self, nbytes: float) -> float | None:
+        """Seconds of a collective of S = `nbytes` on `ranks` ranks, interpolated between the two measured
+        sizes around it (linearly in S); None outside them. The line above is one latency and one
+        bandwidth for all sizes; on CPUs the bandwidth falls as buffers outgrow the caches (Gloo moved
+        16 MiB at twice the bus bandwidth of 64 MiB on a 2-core machine), so a fitted line misses both ends."""
+        points = self.measured
+        if len(points) < 2 or not points[0][0] <= nbytes <= points[-1][0]:
+            return None
+        for (s0, t0), (s1, t1) in zip(points, points[1:]):
+            if s0 <= nbytes <= s1:
+                return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0) if s1 > s0 else t0
+        return None
 
 
 # Efficiency: the achievable fraction of the datasheet peak over a whole forward and backward
@@ -127,6 +144,12 @@ class Rates:
     bench compute on the model's own layer: replaces the matmul and attention rates for the layers."""
     head_tflops: float | None = None
     """The LM head with its loss (final norm, head matmul, cross-entropy) forward + backward, measured."""
+    copy_gbps: float | None = None
+    """Copies on the device into an existing buffer, GB/s (bytes copied): the engine's own passes over its
+    gradient buffers (copies into the flat buffers, scaling, the norm, clearing). None: not counted."""
+    fresh_copy_gbps: float | None = None
+    """The same into a newly allocated buffer (stages 2-3 free the whole gradient buffer after each
+    reduction: on a CPU its pages come back from the OS every micro-step). None: `copy_gbps`."""
     overlap: bool = True
     """Collectives run beside compute (NCCL's own stream). False on Gloo over CPUs: they share the cores."""
     reduce_scatter_is_all_reduce: bool = False
@@ -194,9 +217,11 @@ def with_compute_probe(rates: Rates, path: str | Path) -> Rates:
     on_cpu = data.get("device_type") == "cpu"
     named = tuple(s for s in rates.sources if not s.startswith(rates.device.name))  # the probe replaces them
     layer, head = data.get("layer_tflops"), data.get("head_tflops")
+    copy, fresh = data.get("copy_gbps"), data.get("fresh_copy_gbps")
     return replace(rates, device=dev, cpu_adam_elements_per_s=cpu_adam,
                    attention_tflops=float(attention) if attention else None,
                    layer_tflops=float(layer) if layer else None, head_tflops=float(head) if head else None,
+                   copy_gbps=float(copy) if copy else None, fresh_copy_gbps=float(fresh) if fresh else None,
                    overlap=rates.overlap and not on_cpu,
                    sources=named + (f"compute: measured by bench compute ({path})",))
 
@@ -237,7 +262,8 @@ def fit_collective(rows: list[dict]) -> CollectiveFit:
     slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var else mt / mx
     slope = max(slope, 1e-15)
     fixed = statistics.median(max(0.0, t - x * slope) for x, t in points)
-    return CollectiveFit(fixed, 1.0 / slope / GB, ranks)
+    measured = tuple(sorted((float(r["size"]), float(r["time_s"])) for r in rows))
+    return CollectiveFit(fixed, 1.0 / slope / GB, ranks, measured)
 
 
 def bus_factor(collective: str, ranks: int) -> float:

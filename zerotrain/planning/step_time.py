@@ -63,6 +63,8 @@ class StepTime:
     """Model FLOPs (no recompute) per second over the device's datasheet peak; None without one."""
     bytes_sent: dict[str, float] = field(default_factory=dict)
     """Per collective kind, what one rank's calls move (COMM_COUNTER's accounting: all-reduce 2S)."""
+    buffers_s: float = 0.0
+    """The engine's own passes over its gradient buffers (`_buffer_passes`); 0 without a measured copy rate."""
 
     @property
     def exposed_share(self) -> float:
@@ -72,20 +74,20 @@ class StepTime:
     def bottleneck(self) -> str:
         """The largest part of the step, in words."""
         parts = {"compute": self.compute_s, "communication": self.exposed_comm_s,
-                 "offload": self.offload_s, "optimizer": self.optimizer_s}
+                 "offload": self.offload_s, "optimizer": self.optimizer_s + self.buffers_s}
         name, seconds = max(parts.items(), key=lambda kv: kv[1])
         share = seconds / self.step_s if self.step_s else 0.0
         words = {"compute": "compute-bound: forward and backward take",
                  "communication": "communication-bound: waiting on collectives takes",
                  "offload": "offload-bound: CPU optimizer and host copies take",
-                 "optimizer": "optimizer-bound: the device's optimizer step takes"}[name]
+                 "optimizer": "optimizer-bound: the device's optimizer step and gradient buffers take"}[name]
         return f"{words} {share:.0%} of the step"
 
     def as_dict(self) -> dict[str, Any]:
         return {"step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
                 "compute_s": self.compute_s, "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
                 "exposed_comm_share": self.exposed_share, "offload_s": self.offload_s,
-                "optimizer_s": self.optimizer_s, "bottleneck": self.bottleneck,
+                "optimizer_s": self.optimizer_s, "buffers_s": self.buffers_s, "bottleneck": self.bottleneck,
                 "micro_batch": self.micro_batch, "accumulation": self.accumulation,
                 "bytes_sent_per_rank": dict(self.bytes_sent)}
 
@@ -105,6 +107,8 @@ def collective_s(kind: str, nbytes: float, world: int, gpus_per_node: int, rates
     factor = bus_factor(kind, world)
     passes = 2 if kind == "all_reduce" else 1
     fit = rates.fits.get(kind)
+    if fit is not None and world == fit.ranks and fit.measured_s(nbytes) is not None:
+        return fit.measured_s(nbytes)  # between two measured sizes on as many ranks: read off the measurements
     if fit is not None:  # measured: its fixed cost grows with the ring's steps
         steps = max(1, fit.ranks - 1)
         return fit.fixed_s * (world - 1) / steps + nbytes * factor / (fit.busbw_gbps * GB)
@@ -227,12 +231,44 @@ def predict_step(model: nn.Module, rung: Rung, workload: Workload, hardware: Har
     if rung.stage >= 1:  # the gradient norm's and the overflow check's scalar all-reduces
         scalars = 2 * collective_s("all_reduce", 4, world, per_node, rates)
         comm_total, exposed = comm_total + scalars, exposed + scalars
-    step = compute + exposed + offload + optimizer
+    buffers = _buffer_passes(rung, accumulation, sum(buckets.numel), shard, low, world, rates)
+    step = compute + exposed + offload + optimizer + buffers
     tokens = workload.seq_len * mb * accumulation
     model_f = 3 * flops.forward * mb * accumulation
     peak = rates.device.peak_tflops
     return StepTime(rung, mb, accumulation, world, compute, comm_total, exposed, offload, optimizer, step,
-                    tokens / step, model_f / step / (peak * 1e12) if peak else None, sent)
+                    tokens / step, model_f / step / (peak * 1e12) if peak else None, sent, buffers)
+
+
+def _buffer_passes(rung: Rung, accumulation: int, whole: int, shard: int, itemsize: int, world: int,
+                   rates: Rates) -> float:
+    """Seconds of the engine's own passes over its gradient buffers in one step, at the measured copy
+    rates (a pass that reads and writes a buffer costs one copy of it, a read or a write alone half):
+
+    * every backward: each parameter's gradient copied into its bucket's flat buffer (the whole
+      gradient, `whole` elements). Stages 2-3 free that buffer after each reduction, so it is new
+      memory every micro-step (`fresh_copy_gbps`: on a CPU its pages come from the OS again);
+    * every reducing backward (more than one rank): the scaling by 1/world, in place over the whole
+      buffer (stage 0 after its all-reduce, stages 1-3 before the reduction); stages 2-3 then add the
+      reduced slice into the rank's gradient shard (read two, write one);
+    * the step: the gradient norm (a read of the shard), the clipping (a read and a write; taken as
+      always, gradients above the clip are the rule early in training) and, stages 2-3, clearing the shard.
+    Stage 0's "shard" is the whole gradient. None of it overlaps anything (compute stream, or the cores).
+    """
+    if not rates.copy_gbps:
+        return 0.0
+    copy = rates.copy_gbps * GB
+    fresh = (rates.fresh_copy_gbps or rates.copy_gbps) * GB
+    nbytes, shard_bytes = whole * itemsize, shard * itemsize
+    reducing = (accumulation if rung.stage >= 2 else 1) if world > 1 else 0
+    seconds = accumulation * nbytes / (fresh if rung.stage >= 2 else copy)  # into the flat buffers
+    seconds += reducing * nbytes / copy  # the 1/world scaling
+    if rung.stage >= 2:
+        seconds += reducing * 1.5 * shard_bytes / copy  # the reduced slice added into the shard
+    seconds += 1.5 * shard_bytes / copy  # norm and clip
+    if rung.stage >= 2:
+        seconds += 0.5 * shard_bytes / copy  # the shard cleared for the next step
+    return seconds
 
 
 def _micro_step(rung, b: _Buckets, layer_f, head_f, recompute, layers, reduce, kind, coll, count, param_copy,
