@@ -227,7 +227,7 @@ def render() -> str:
     parts.append(f"```console\n$ zerotrain {INIT_COMMAND}\n{transcript.rstrip()}\n```\n")
     parts.append(SPEED)
     parts.append(f"```console\n$ zerotrain {SCALE_COMMAND}\n{_scale_only(run_cli(SCALE_COMMAND)).rstrip()}\n```\n")
-    for name in ("cpu_validation.md", "published.md"):
+    for name in ("cpu_validation.md", "gpu_validation.md", "published.md"):
         table = ROOT / "benchmarks" / "step_time" / name
         if table.is_file():  # the measured tables, made by their scripts (the commands are in them)
             parts.append(table.read_text().rstrip() + "\n")

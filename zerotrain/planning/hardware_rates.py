@@ -83,14 +83,18 @@ class CollectiveFit:
 # error) and checked on torchtitan's, IBM's, DeepSpeed's and TinyLlama's, held out
 # (benchmarks/step_time/published.py; docs/planning.md). The others have no published runs in that
 # set: H200 as H100 (same chip, faster memory), V100 and L40S a guess.
+# Optimizer rate: AdamW's foreach step over fp32 masters, the kernel the engine takes on a GPU, measured
+# on an H100 SXM on 2026-11-27 as plain torch's optimizer phase over 1.1B parameters (27e9 elements/s;
+# the engine's own step took 43 ms, 1-3% from the prediction: benchmarks/step_time/gpu_validate.py). The
+# other GPUs are scaled from it by memory bandwidth, as the step is memory-bound.
 _DEVICES = {
-    "h100": Device("NVIDIA H100 SXM", 989.0, 989.0 * 0.40, 60e9, 50.0, 80),
-    "h100-pcie": Device("NVIDIA H100 PCIe", 756.0, 756.0 * 0.40, 45e9, 50.0, 80),
-    "h200": Device("NVIDIA H200", 989.0, 989.0 * 0.42, 80e9, 50.0, 141),
-    "a100-80gb": Device("NVIDIA A100 80GB SXM", 312.0, 312.0 * 0.65, 35e9, 25.0, 80),
-    "a100-40gb": Device("NVIDIA A100 40GB SXM", 312.0, 312.0 * 0.65, 28e9, 25.0, 40),
-    "v100": Device("NVIDIA V100 32GB SXM2", 125.0, 125.0 * 0.45, 15e9, 12.0, 32),
-    "l40s": Device("NVIDIA L40S", 362.0, 362.0 * 0.45, 15e9, 25.0, 48),
+    "h100": Device("NVIDIA H100 SXM", 989.0, 989.0 * 0.40, 27e9, 50.0, 80),
+    "h100-pcie": Device("NVIDIA H100 PCIe", 756.0, 756.0 * 0.40, 16e9, 50.0, 80),
+    "h200": Device("NVIDIA H200", 989.0, 989.0 * 0.42, 39e9, 50.0, 141),
+    "a100-80gb": Device("NVIDIA A100 80GB SXM", 312.0, 312.0 * 0.65, 16e9, 25.0, 80),
+    "a100-40gb": Device("NVIDIA A100 40GB SXM", 312.0, 312.0 * 0.65, 12.5e9, 25.0, 40),
+    "v100": Device("NVIDIA V100 32GB SXM2", 125.0, 125.0 * 0.45, 7.3e9, 12.0, 32),
+    "l40s": Device("NVIDIA L40S", 362.0, 362.0 * 0.45, 7e9, 25.0, 48),
 }
 # Intra-node: bus bandwidth NCCL reaches for large all-reduces between the GPUs of one node.
 _INTRA = {
