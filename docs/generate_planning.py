@@ -46,7 +46,11 @@ Llama 2 7B and Llama 3 70B, shipped with zerotrain: name them (`llama-3.2-1b`,
 
 The rungs, fastest first: stage 0 (plain data parallel), 1, 2, 2 + optimizer on CPU, 3, 3 +
 optimizer on CPU, 3 + optimizer and parameters on CPU, then the NVMe rungs (with `--nvme PATH`).
-Each is tried without and then with gradient checkpointing. Every rung gets the largest
+Each is tried without gradient checkpointing, with selective checkpointing (matmul and attention
+outputs kept, the cheap ops recomputed: `training.gradient_checkpointing: selective` in
+`zerotrain train`) and with whole layers recomputed. `--loss-chunk-tokens N` (or a train YAML's
+`training.loss_chunk_tokens`) counts the chunked loss, which holds one chunk's logits instead of
+all of them. Every rung gets the largest
 micro-batch that fits and divides the per-GPU share of the global batch (accumulation makes up
 the rest), and the step-time model (below) predicts its step; the plan is the fastest that fits
 (within 3%, the model's resolution, the earlier rung). It says why the winner wins: "stage 2: 6%

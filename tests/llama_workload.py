@@ -13,7 +13,7 @@ VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR, CLIP = 64, 16, 8, 10, 1e-2, 1.0
 
 
 def make_model(tied: bool = False, extra_unused: bool = False, freeze_one: bool = False, seed: int = 0,
-               checkpointing: bool = False) -> nn.Module:
+               checkpointing: bool | str = False, loss_chunk_tokens: int | None = None) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -28,9 +28,13 @@ def make_model(tied: bool = False, extra_unused: bool = False, freeze_one: bool 
     if freeze_one:
         model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
     if checkpointing:
-        from zerotrain.train.model import enable_gradient_checkpointing
+        from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing
 
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, checkpointing)
+    if loss_chunk_tokens:
+        from zerotrain.runtime.chunked_loss import enable_chunked_loss
+
+        enable_chunked_loss(model, loss_chunk_tokens)
     return model
 
 

@@ -24,6 +24,7 @@ from conftest import FIXTURES, zerotrain_script
 from free_ports import free_port
 
 SCRIPTS = FIXTURES / "scripts"
+PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "step_time" / "cpu-2026-11-27" / "compute-cpu-5m-2.json"
 TRAIN = SCRIPTS / "multinode_train.py"
 LOSS = re.compile(r"LOSS step=(\d+) loss=(\S+)")
 LAYOUT = re.compile(r"^\[(\S+) (\d+)\]: LAYOUT (.*)$", re.M)
@@ -313,13 +314,19 @@ def test_zerotrain_train_with_a_hostfile_trains_on_both_nodes(ssh_cluster, tmp_p
     argv = [zerotrain_script(), "train", "--hostfile", str(ssh_cluster.hostfile(slots=1)), "--nproc_per_node", "1",
             "--ssh_args", ssh_cluster.ssh_args, "--master_port", str(free_port()), "--output.dir", str(run),
             "--data.cache_dir", str(tmp_path / "cache"), "--training.max_steps", "4",
-            "--training.micro_batch_size", "4", "--logging.interval", "1", "--data.synthetic.num_examples", "2000"]
+            "--training.micro_batch_size", "4", "--logging.interval", "1", "--data.synthetic.num_examples", "2000",
+            # CPU ranks get a step-time prediction from a compute probe: rank 0 makes it for the world the nodes form
+            "--logging.compute_probe", str(PROBE)]
     done = subprocess.run(argv, cwd=cwd, env=_env(f"train-{uuid.uuid4().hex[:8]}"), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "job finished on 2 nodes (2 ranks)" in done.stderr
     assert "[127.0.0.2 0]: zerotrain train: finished" in done.stdout
     assert (run / "metrics.csv").is_file() and (run / "checkpoints" / "latest").is_file()
+    assert (run / "predicted_step.json").is_file(), done.stdout[-4000:] + done.stderr[-4000:]
+    prediction = json.loads((run / "predicted_step.json").read_text())
+    assert prediction["world_size"] == 2 and prediction["step_s"] > 0
+    assert "step time: measured" in done.stdout, done.stdout[-3000:]
 
 
 @pytest.mark.slow

@@ -30,14 +30,20 @@ def _config(arch: str, attention: str):
                                 attn_pdrop=0.1 if attention == "eager" else 0.0)
 
 
-def _measure(config, dtype: torch.dtype, attention: str, checkpointing: bool) -> dict[str, int]:
-    """Saved bytes: {"layers": in decoder layers, "rest": elsewhere}."""
+def _measure(config, dtype: torch.dtype, attention: str, checkpointing: bool | str,
+             loss_chunk_tokens: int | None = None) -> dict[str, int]:
+    """Saved bytes: {"layers": in decoder layers, "rest": elsewhere}; selective checkpointing's kept
+    outputs count as "layers"."""
     from transformers import AutoModelForCausalLM
+
+    from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing, kept_by_selective_checkpointing
+    from zerotrain.runtime.chunked_loss import enable_chunked_loss
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).to(dtype).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    enable_gradient_checkpointing(model, checkpointing)
+    if loss_chunk_tokens:
+        enable_chunked_loss(model, loss_chunk_tokens)
     layers = model.model.layers if config.model_type != "gpt2" else model.transformer.h
     depth = [0]
     for layer in layers:
@@ -53,8 +59,10 @@ def _measure(config, dtype: torch.dtype, attention: str, checkpointing: bool) ->
         return t
 
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_by_selective_checkpointing() as kept, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, labels=ids)
+        for ptr, nbytes in kept().items():
+            seen.setdefault(ptr, ("layers", nbytes))
     out = {"layers": 0, "rest": 0}
     for where, nbytes in seen.values():
         out[where] += nbytes
@@ -62,11 +70,12 @@ def _measure(config, dtype: torch.dtype, attention: str, checkpointing: bool) ->
 
 
 CASES = [(arch, dtype, attention, ckpt) for arch in ("llama", "gpt2") for dtype in DTYPES
-         for attention in ("eager", "sdpa") for ckpt in (False, True)]
+         for attention in ("eager", "sdpa") for ckpt in (False, "selective", True)]
 
 
 @pytest.mark.parametrize("arch,dtype,attention,checkpointing", CASES,
-                         ids=[f"{a}-{d}-{at}-{'ckpt' if c else 'full'}" for a, d, at, c in CASES])
+                         ids=[f"{a}-{d}-{at}-{ {False: 'full', 'selective': 'selective', True: 'ckpt'}[c]}"
+                              for a, d, at, c in CASES])
 @pytest.mark.slow
 def test_estimate_is_within_10_percent_of_what_autograd_saves(arch, dtype, attention, checkpointing):
     config = _config(arch, attention)
@@ -91,6 +100,26 @@ def test_checkpointing_and_the_peak_count_one_recomputed_layer_and_the_logits():
     assert est.total(False) > est.total(True)
     vocab, tokens = 500, BATCH * SEQ
     assert est.logits_peak_bytes == (2 + 4 + 8) * tokens * vocab + 8 * tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_chunked_loss_keeps_one_chunk_of_logits_and_is_measured_so(arch):
+    config = _config(arch, "sdpa")
+    measured = _measure(config, torch.float32, "sdpa", False, loss_chunk_tokens=32)
+    est = estimate_activations(config, SEQ, BATCH, torch.float32, "sdpa", device_type="cpu", loss_chunk_tokens=32)
+    assert est.saved(False) == pytest.approx(measured["layers"] + measured["rest"], rel=0.10)
+    whole = estimate_activations(config, SEQ, BATCH, torch.float32, "sdpa", device_type="cpu")
+    tokens, vocab = BATCH * SEQ, config.vocab_size
+    assert whole.logits_saved_bytes - est.logits_saved_bytes == 4 * tokens * vocab  # no fp32 log-softmax kept
+    assert est.logits_peak_bytes == (4 + 4 + 8) * 32 * vocab + 8 * tokens  # one chunk's logits, at most
+
+
+def test_selective_checkpointing_keeps_between_none_and_whole_layers():
+    est = estimate_activations(_config("llama", "sdpa"), 2048, 1, torch.bfloat16)
+    assert est.saved(True) < est.saved("selective") < est.saved(False)
+    # The recomputed layer at the peak: what selective did not keep, on top of what it kept.
+    assert est.total("selective") == est.saved("selective") - est.logits_saved_bytes + (
+        est.per_layer_bytes - est.selective_per_layer_bytes) + est.logits_peak_bytes
 
 
 def test_an_unsupported_architecture_is_named():

@@ -27,6 +27,16 @@ def _meta():
         return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY))
 
 
+def _rates(gpu_memory: int, gpus_per_node: int, **speed):
+    """The speeds `zerotrain plan` would assume for these flags (the wizard takes the same)."""
+    from types import SimpleNamespace
+
+    from zerotrain.planning.speed_args import rates_from_args
+
+    args = {"gpu": None, "intra_node": None, "inter_node": None, "compute": None, "comm": None, **speed}
+    return rates_from_args(SimpleNamespace(gpu_memory=gpu_memory, **args), gpus_per_node)[0]
+
+
 def _session(lines: list[str], gpus: LocalGpus = LocalGpus(), **flags) -> tuple[Wizard, str]:
     out = io.StringIO()  # a machine without GPUs unless `gpus` says otherwise, whatever runs the test
     wizard = Wizard(flags, inp=io.StringIO("".join(f"{x}\n" for x in lines)), out=out, gpus=gpus)
@@ -37,7 +47,7 @@ def _session(lines: list[str], gpus: LocalGpus = LocalGpus(), **flags) -> tuple[
 def test_defaults_are_the_plans_choice_and_each_stage_shows_its_estimate():
     # 1 GiB of the GPU is the reserve: 3 MiB are left, so the plan has to walk down the ladder
     wizard, text = _session(["1", "2", "1027MB", "", "128", "16"])  # the rest: defaults
-    plan = make_plan(_meta(), Hardware(2, gpu_memory=1027 * 2**20), 128, 16)
+    plan = make_plan(_meta(), Hardware(2, gpu_memory=1027 * 2**20), 128, 16, rates=_rates(1027 * 2**20, 2))
     assert plan.rejected and plan.choice is not None
     a = wizard.answers
     assert a["rung"] == plan.choice.rung and a["micro_batch"] == plan.choice.micro_batch
@@ -46,6 +56,27 @@ def test_defaults_are_the_plans_choice_and_each_stage_shows_its_estimate():
     fits = next(line for line in text.splitlines() if line.startswith("  fits  "))
     assert "no" in fits.split()[1:] and "yes" in fits.split()[1:]
     assert "within 3.0 MiB of each 1.00 GiB GPU" in text and f"recommended: {plan.choice.rung.name}" in text
+
+
+def test_the_recommendation_is_the_fastest_fitting_rung_as_zerotrain_plan_picks_it():
+    """On 8 GPUs of 24 GB a 1.1B Llama fits at stage 0 with one sample per GPU: the first rung of the ladder
+    that fits. Stage 1 fits two samples and the step-time model predicts it faster: `zerotrain plan` takes
+    it, and so must the wizard's defaults."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **sizes))
+    hardware = Hardware(8, gpu_memory=24 * 2**30)
+    first_fit = make_plan(model, hardware, 2048, 64).choice
+    fastest = make_plan(model, hardware, 2048, 64, rates=_rates(24 * 2**30, 8)).choice
+    assert (first_fit.rung.stage, first_fit.micro_batch) == (0, 1) and (fastest.rung.stage, fastest.micro_batch) == (1, 2)
+    wizard = Wizard({"num_machines": "1", "gpus_per_machine": "8", "gpu_memory": "24GB", "seq_len": "2048",
+                     "global_batch": "64", "mixed_precision": "bf16"}, inp=io.StringIO(""), out=io.StringIO(),
+                    assume_defaults=True)
+    run_questions(wizard, model, "llama")
+    assert wizard.answers["rung"] == fastest.rung and wizard.answers["micro_batch"] == fastest.micro_batch
 
 
 def test_a_wrong_answer_is_asked_again_with_its_reason():

@@ -120,6 +120,22 @@ def test_checkpointing_recomputes_a_forward_and_offload_adds_the_cpu_step():
     assert "offload" in offload.bottleneck or "compute" in offload.bottleneck
 
 
+def test_selective_checkpointing_recomputes_the_elementwise_ops_and_a_chunked_loss_the_head():
+    model = _preset("llama-3.2-1b")
+    hw, work, rates = Hardware(8, 1), Workload(2048, 2), named_rates("h100")
+    plain, full = (predict_step(model, Rung(2, gradient_checkpointing=c), work, hw, rates) for c in (False, True))
+    selective = predict_step(model, Rung(2, gradient_checkpointing="selective"), work, hw, rates)
+    assert plain.compute_s < selective.compute_s < full.compute_s
+    # The measured layer rate, where there is one, says what is not matmul or attention: half the layer here.
+    measured = replace(rates, layer_tflops=rates.device.tflops / 2, attention_tflops=rates.device.tflops)
+    half = [predict_step(model, Rung(2, gradient_checkpointing=c), work, hw, measured) for c in (False, "selective")]
+    recompute = half[1].compute_s - half[0].compute_s  # half of each layer's forward, once more
+    forward = half[0].compute_s / 3  # the layers' and the LM head's
+    assert 0.3 * forward < recompute < 0.5 * forward
+    chunked = predict_step(model, Rung(2), replace(work, loss_chunk_tokens=1024), hw, rates)
+    assert plain.compute_s < chunked.compute_s < plain.compute_s * 1.1  # the head's forward again, in backward
+
+
 @pytest.mark.parametrize("preset", ["llama-2-7b", "llama-3-70b"])
 def test_from_one_to_4096_gpus_volume_is_flat_and_the_exposed_share_rises(preset):
     model = _preset(preset)

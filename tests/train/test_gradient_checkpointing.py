@@ -33,7 +33,8 @@ def _peak_rss_of_one_step(checkpointing: bool) -> tuple[int, float]:
     """Runs forward+backward in a fresh process; returns (bytes saved for backward, peak RSS MiB)."""
     import resource
 
-    from zerotrain.train.model import build_model, enable_gradient_checkpointing
+    from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing
+    from zerotrain.train.model import build_model
 
     torch.manual_seed(0)
     model = build_model(_model_section(), _Vocab())

@@ -1,4 +1,5 @@
-"""Stage 3 with Hugging Face gradient checkpointing: layers recomputed in backward are gathered again."""
+"""Stage 3 with Hugging Face gradient checkpointing: layers recomputed in backward are gathered again;
+with selective checkpointing and the chunked loss (zerotrain train's options) too."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from llama_workload import train_reference, train_zerotrain, zero_config
 pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
 
-def _train_checkpointed(reuse: int):
+def _train_checkpointed(reuse: int, mode: bool | str = True, loss_chunk_tokens: int | None = None):
     config = zero_config(3, 2, 1, stage3_max_reuse_distance=reuse)
-    run = train_zerotrain(config, checkpointing=True)
+    run = train_zerotrain(config, checkpointing=mode, loss_chunk_tokens=loss_chunk_tokens)
     return run["losses"], run["weights"]
 
 
-@pytest.mark.parametrize("reuse", [0, 10**9], ids=["free-after-forward", "reuse-default"])
-def test_stage3_with_gradient_checkpointing_matches_single_process_training(reuse):
+@pytest.mark.parametrize("reuse,mode,chunk", [(0, True, None), (10**9, True, None), (0, "selective", 24)],
+                         ids=["free-after-forward", "reuse-default", "selective-chunked-loss"])
+def test_stage3_with_gradient_checkpointing_matches_single_process_training(reuse, mode, chunk):
+    # The chunked loss (24 tokens of the 4 x 15 a rank predicts) gathers the LM head once per chunk and again
+    # in backward: the same loss and weights as the model's own loss without checkpointing.
     ref_losses, ref_weights = train_reference()
-    (losses0, weights0), (losses1, _) = run_on_ranks(2, _train_checkpointed, reuse)
+    (losses0, weights0), (losses1, _) = run_on_ranks(2, _train_checkpointed, reuse, mode, chunk)
     # each rank reports its own micro-batch loss; their mean is the global batch's loss
     mean = [(a + b) / 2 for a, b in zip(losses0, losses1)]
     assert mean == pytest.approx(ref_losses, rel=1e-5)

@@ -20,7 +20,7 @@ OFFLOADS = ("offload_optimizer", "offload_param")
 ZERO_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def winner_overrides(ds_config: Mapping[str, Any], gradient_checkpointing: bool,
+def winner_overrides(ds_config: Mapping[str, Any], gradient_checkpointing: bool | str,
                      base_zero: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], list[str]]:
     """(dotted key, value) pairs that turn the train YAML into the winner, and keys to delete by hand.
 
@@ -31,7 +31,8 @@ def winner_overrides(ds_config: Mapping[str, Any], gradient_checkpointing: bool,
     pairs: list[tuple[str, Any]] = [
         ("training.micro_batch_size", ds_config["train_micro_batch_size_per_gpu"]),
         ("training.gradient_accumulation_steps", ds_config["gradient_accumulation_steps"]),
-        ("training.gradient_checkpointing", bool(gradient_checkpointing)),
+        ("training.gradient_checkpointing", gradient_checkpointing if gradient_checkpointing == "selective"
+         else bool(gradient_checkpointing)),
     ]
     for key in ZERO_BATCH_KEYS:
         if key in base_zero and base_zero[key] != AUTO:

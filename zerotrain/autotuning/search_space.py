@@ -79,6 +79,8 @@ def _offload_tag(rung: Rung) -> str:
         tag += f"oo{rung.offload_optimizer}_"
     if rung.offload_param != "none":
         tag += f"op{rung.offload_param}_"
-    if rung.gradient_checkpointing:
+    if rung.gradient_checkpointing == "selective":
+        tag += "sac_"
+    elif rung.gradient_checkpointing:
         tag += "ckpt_"
     return tag

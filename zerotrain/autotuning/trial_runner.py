@@ -193,10 +193,11 @@ def _agree(store, key: str, rank: int, decide) -> str:
 
 
 def _stop_reason(job: dict, index: int, since_best: int, started: float) -> str:
-    if index >= job["num_trials"]:
-        return f"tuner_num_trials ({job['num_trials']}) reached"
+    # Early stopping first: once it stopped the search, it is why every later trial did not run.
     if since_best >= job["early_stopping"]:
         return f"early stop: {since_best} trials without improvement"
+    if index >= job["num_trials"]:
+        return f"tuner_num_trials ({job['num_trials']}) reached"
     return _budget_spent(job, started)
 
 
@@ -217,8 +218,9 @@ def _timed_trial(job: dict, exp: dict, index: int, rank: int, group) -> dict:
     torch.manual_seed(0)
     with zerotrain.zero.Init(config_dict_or_path=ds, enabled=ds["zero_optimization"]["stage"] == 3):
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=job["attention"])
-    if exp["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable()
+    from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing
+
+    enable_gradient_checkpointing(model, exp["gradient_checkpointing"])  # False, "selective" or True
     engine, *_ = zerotrain.initialize(model=model, config=ds)
     try:
         micro, accumulation = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]

@@ -32,7 +32,7 @@ def predict_job(job_dir: Path, args: argparse.Namespace, metric: str = "tokens_p
     """(the whole job's predicted `metric`, tokens or samples per second, "") or (None, why there is none)."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.launcher.hostfile import parse_hostfile
-    from zerotrain.planning.ladder import Rung
+    from zerotrain.planning.ladder import train_config_rung
     from zerotrain.planning.model_source import load_meta_model
     from zerotrain.planning.rung_memory import Hardware, Workload
     from zerotrain.planning.speed_args import rates_from_args
@@ -49,12 +49,9 @@ def predict_job(job_dir: Path, args: argparse.Namespace, metric: str = "tokens_p
     except (OSError, ValueError, ConfigError) as error:
         return None, f"cannot predict: {error}"
     per_node = min(slots.values())
-    zero = cfg.zero_dict().get("zero_optimization") or {}
-    offload = lambda key: ((zero.get(key) or {}).get("device") or "none")  # noqa: E731
     t = cfg.training
     try:
-        rung = Rung(int(zero.get("stage", 0)), offload("offload_optimizer"), offload("offload_param"),
-                    bool(t.gradient_checkpointing))
+        rung = train_config_rung(cfg)
         rates, _ = rates_from_args(args, per_node)
         if rates.device.peak_tflops is None:  # measured on a CPU: Gloo ranks
             from zerotrain.planning.hardware_rates import cpu_ranks
@@ -65,8 +62,8 @@ def predict_job(job_dir: Path, args: argparse.Namespace, metric: str = "tokens_p
 
                 rates = with_comm_probe(rates, args.comm)
         dtype = t.precision if t.precision in ("bf16", "fp16", "fp32") else ("bf16" if rates.device.peak_tflops else "fp32")
-        step = predict_step(model, rung, Workload(cfg.data.seq_len, t.micro_batch_size, dtype),
-                            Hardware(per_node, len(slots)), rates, t.gradient_accumulation_steps)
+        workload = Workload(cfg.data.seq_len, t.micro_batch_size, dtype, loss_chunk_tokens=t.loss_chunk_tokens)
+        step = predict_step(model, rung, workload, Hardware(per_node, len(slots)), rates, t.gradient_accumulation_steps)
     except ValueError as error:
         return None, f"cannot predict: {error}"
     tokens = step.tokens_per_s_per_gpu * per_node * len(slots)

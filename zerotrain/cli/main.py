@@ -94,7 +94,7 @@ def _run(argv: list[str]) -> int:
         from zerotrain.cli.train_prediction import predict_train_step
         from zerotrain.train.command import main_train
 
-        return main_train(argv[1:], predict=predict_train_step)
+        return main_train(argv[1:], predict=predict_train_step, rank_module="zerotrain.cli.train_rank")
     parser = build_parser()
     if not argv:  # as git and cargo do: the commands, not an error
         parser.print_help()

@@ -23,7 +23,7 @@ def predict_train_step(cfg, world: int, per_node: int) -> dict[str, Any] | None:
     Raises ValueError for a probe file that cannot be read (before any rank starts).
     """
     from zerotrain.planning.hardware_rates import cpu_ranks, named_rates, with_comm_probe, with_compute_probe
-    from zerotrain.planning.ladder import Rung
+    from zerotrain.planning.ladder import train_config_rung
     from zerotrain.planning.model_source import load_meta_model
     from zerotrain.planning.rung_memory import Hardware, Workload
     from zerotrain.planning.step_time import predict_step
@@ -42,13 +42,20 @@ def predict_train_step(cfg, world: int, per_node: int) -> dict[str, Any] | None:
         rates = cpu_ranks(rates)
     if probes.comm_probe:
         rates = with_comm_probe(rates, probes.comm_probe)
-    zero = (cfg.zero_dict().get("zero_optimization") or {})
-    offload = lambda key: (zero.get(key) or {}).get("device") or "none"  # noqa: E731
+    if world > per_node and rates.inter is None:  # across nodes, with no link named: the usual one, said
+        from dataclasses import replace
+
+        from zerotrain.planning.hardware_rates import inter_node_link
+        from zerotrain.planning.speed_args import USUAL_INTER
+
+        name = USUAL_INTER[gpu] if gpu else "25gbe"  # CPU machines: a plain Ethernet NIC
+        rates = replace(rates, inter=inter_node_link(name, per_node),
+                        sources=rates.sources + (f"inter-node: {name} (assumed)",))
     t = cfg.training
-    rung = Rung(int(zero.get("stage", 0)), offload("offload_optimizer"), offload("offload_param"),
-                bool(t.gradient_checkpointing))
+    rung = train_config_rung(cfg)
     dtype = t.precision if t.precision in ("bf16", "fp16", "fp32") else ("bf16" if gpu else "fp32")
-    step = predict_step(load_meta_model(cfg.model), rung, Workload(cfg.data.seq_len, t.micro_batch_size, dtype),
+    workload = Workload(cfg.data.seq_len, t.micro_batch_size, dtype, loss_chunk_tokens=t.loss_chunk_tokens)
+    step = predict_step(load_meta_model(cfg.model), rung, workload,
                         Hardware(per_node, max(1, world // per_node)), rates, t.gradient_accumulation_steps)
     return {"step_s": step.step_s, "bottleneck": step.bottleneck, "world_size": world, "rung": rung.name,
             "speeds": list(rates.sources), "predicted": step.as_dict()}

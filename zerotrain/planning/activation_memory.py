@@ -58,28 +58,45 @@ class ActivationEstimate:
     """Embeddings' ids, final norm, LM head input; the logits excluded."""
     checkpoint_shared_bytes: int
     """With gradient checkpointing: inputs every layer shares, kept once (GPT-2's eager mask)."""
+    selective_per_layer_bytes: int
+    """With selective checkpointing: the layer's input and its matmul and attention outputs."""
     logits_saved_bytes: int
     """What the loss keeps of the logits (fp32 log-softmax, targets)."""
     logits_peak_bytes: int
     """The LM head and loss at their peak: logits, saved log-softmax, two fp32 gradients."""
     attention: str
 
-    def saved(self, gradient_checkpointing: bool) -> int:
-        """Bytes saved at the end of the forward (what `saved_tensors_hooks` sees)."""
-        if gradient_checkpointing:
+    def saved(self, gradient_checkpointing: bool | str) -> int:
+        """Bytes saved at the end of the forward (what `saved_tensors_hooks` sees, and with selective
+        checkpointing the outputs its policy keeps). `gradient_checkpointing`: False, True (whole
+        layers) or "selective"."""
+        mode = checkpointing_mode(gradient_checkpointing)
+        if mode == "full":
             kept = self.layers * self.checkpoint_per_layer_bytes + self.checkpoint_shared_bytes
+        elif mode == "selective":
+            kept = self.layers * self.selective_per_layer_bytes + self.checkpoint_shared_bytes
         else:
             kept = self.layers * self.per_layer_bytes
         return kept + self.outside_layers_bytes + self.logits_saved_bytes
 
-    def total(self, gradient_checkpointing: bool) -> int:
-        """The peak: saved tensors, one recomputed layer with checkpointing, the logits' peak."""
-        recompute = self.per_layer_bytes if gradient_checkpointing else 0
-        return self.saved(gradient_checkpointing) - self.logits_saved_bytes + recompute + self.logits_peak_bytes
+    def total(self, gradient_checkpointing: bool | str) -> int:
+        """The peak: saved tensors, what one layer recomputes in backward, the logits' peak."""
+        mode = checkpointing_mode(gradient_checkpointing)
+        recompute = {"none": 0, "full": self.per_layer_bytes,
+                     "selective": max(0, self.per_layer_bytes - self.selective_per_layer_bytes)}[mode]
+        return self.saved(mode) - self.logits_saved_bytes + recompute + self.logits_peak_bytes
+
+
+def checkpointing_mode(gradient_checkpointing: bool | str) -> str:
+    """"none", "full" or "selective" from a train config's or a rung's value (False, True, "selective")."""
+    if gradient_checkpointing in ("selective", "full", "none"):
+        return str(gradient_checkpointing)
+    return "full" if gradient_checkpointing else "none"
 
 
 def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: torch.dtype,
-                         attention: str = "sdpa", device_type: str = "cuda") -> ActivationEstimate:
+                         attention: str = "sdpa", device_type: str = "cuda",
+                         loss_chunk_tokens: int | None = None) -> ActivationEstimate:
     """The activation bytes of one micro-batch of `micro_batch` x `seq_len` tokens.
 
     Args:
@@ -87,6 +104,8 @@ def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: to
         dtype: the compute dtype.
         attention: "sdpa" (fused kernels keep no score matrix) or "eager".
         device_type: "cuda" or "cpu": dropout masks are bytes on a GPU, dtype-sized on a CPU.
+        loss_chunk_tokens: the LM head and loss a chunk of this many tokens at a time
+            (zerotrain train's training.loss_chunk_tokens): one chunk's logits at most.
     Raises ValueError for an architecture the model does not cover.
     """
     kind = getattr(model_config, "model_type", None)
@@ -100,19 +119,27 @@ def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: to
     t = b * s
     if kind == "gpt2":
         per_layer, outside, layers, vocab = _gpt2(model_config, b, s, e, attention, device_type)
+        selective = _gpt2_selective(model_config, b, s, e, attention)
     else:
         per_layer, outside, layers, vocab = _llama(model_config, b, s, e, attention)
+        selective = _llama_selective(model_config, b, s, e, attention)
     outside += 8 * t  # token ids (int64), kept by the embedding
-    logits_saved = 4 * t * vocab + 8 * t
+    if loss_chunk_tokens:  # a chunk's logits live only inside its checkpoint; the targets are kept
+        c = min(t, loss_chunk_tokens)
+        logits_saved, logits_peak = 8 * t, e * c * vocab + 4 * c * vocab + 8 * c * vocab + 8 * t
+    else:
+        logits_saved = 4 * t * vocab + 8 * t
+        logits_peak = e * t * vocab + logits_saved + 8 * t * vocab
     return ActivationEstimate(
         layers=layers,
         per_layer_bytes=per_layer,
         checkpoint_per_layer_bytes=e * t * _hidden(model_config),
         # GPT-2's eager attention takes a materialized b x 1 x s x s mask, an input of every layer.
         checkpoint_shared_bytes=e * b * s * s if kind == "gpt2" and attention == "eager" else 0,
+        selective_per_layer_bytes=selective,
         outside_layers_bytes=outside,
         logits_saved_bytes=logits_saved,
-        logits_peak_bytes=e * t * vocab + logits_saved + 8 * t * vocab,
+        logits_peak_bytes=logits_peak,
         attention=attention,
     )
 
@@ -162,3 +189,27 @@ def _gpt2(c, b: int, s: int, e: int, attention: str, device_type: str) -> tuple[
     per_layer = 2 * layer_norm + attn + mlp
     outside = dropout(c.embd_pdrop, t * h) + 8 * s + layer_norm + e * t * h  # positions, ln_f, LM head input
     return per_layer, outside, c.n_layer, c.vocab_size
+
+
+# Selective checkpointing (train/selective_checkpoint.py) keeps a layer's input and the outputs of its
+# matrix multiplies and attention kernel; norms, rotary, activations and casts are recomputed.
+def _llama_selective(c, b: int, s: int, e: int, attention: str) -> int:
+    t, h, i = b * s, c.hidden_size, c.intermediate_size
+    n = c.num_attention_heads
+    k = getattr(c, "num_key_value_heads", None) or n
+    d = getattr(c, "head_dim", None) or h // n
+    projections = e * t * (n * d + 2 * k * d + h + 2 * i + h)  # q, k, v, o; gate, up, down
+    if attention == "eager":
+        kernel = e * b * n * s * s + e * t * n * d  # the two batched matmuls: scores, weights x values
+    else:
+        kernel = e * t * n * d + 4 * b * n * s  # the fused kernel's output and log-sum-exp
+    return e * t * h + projections + kernel
+
+
+def _gpt2_selective(c, b: int, s: int, e: int, attention: str) -> int:
+    t, h = b * s, c.n_embd
+    i = c.n_inner or 4 * h
+    n = c.n_head
+    projections = e * t * (3 * h + h + i + h)  # c_attn, attention c_proj, c_fc, MLP c_proj (addmm)
+    kernel = e * b * n * s * s + e * t * h if attention == "eager" else e * t * h + 4 * b * n * s
+    return e * t * h + projections + kernel

@@ -2,16 +2,18 @@
 
 Questions are asked in `accelerate config`'s order by a `Wizard` (`wizard_questions`: flags,
 then standard input, then defaults; a wrong typed answer is asked again with the answers it
-accepts). Defaults come from `make_plan`: the fastest configuration that fits. The GPUs default
-to this machine's (torch.cuda); without a GPU the memory of one has no default. Each memory
-choice is shown as a table with a line per term of `estimate_rung`, and what each term is.
-Then the run: learning rate, steps and run directory, so the files written are complete.
+accepts). Defaults come from `make_plan`: of the configurations that fit, the one the step-time
+model predicts fastest (the GPU's speed from --gpu, else from its memory, as `zerotrain plan` takes
+it). The GPUs default to this machine's (torch.cuda); without a GPU the memory of one has no
+default. Each memory choice is shown as a table with a line per term of `estimate_rung`, and
+what each term is. Then the run: learning rate, steps and run directory, so the files written are complete.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
@@ -19,14 +21,17 @@ from torch import nn
 from zerotrain.planning.ladder import Rung
 from zerotrain.planning.planner import make_plan
 from zerotrain.planning.rung_memory import Hardware, RungEstimate, Workload, estimate_rung, format_bytes, rung_config
+from zerotrain.planning.speed_args import rates_from_args
 from zerotrain.planning.wizard_questions import (  # noqa: F401 - Wizard, WizardError, Answers are this module's API
-    CPU_MEMORY, FOLDER, GPU_MEMORY, LEARNING_RATE, NON_NEGATIVE, REQUIRED, YES_NO, Answers, Wizard, WizardError,
+    CHECKPOINTING, CPU_MEMORY, FOLDER, GPU_MEMORY, LEARNING_RATE, NON_NEGATIVE, REQUIRED, YES_NO, Answers, Wizard, WizardError,
     choice, divisor_of, multiple_of, positive_int,
 )
 
 DEFAULT_LR = 3e-4
 """The learning rate offered: zerotrain train's own default (training.lr)."""
 DEFAULT_MAX_STEPS = 1000
+SPEED_KEYS = ("gpu", "intra_node", "inter_node", "compute", "comm")
+"""`zerotrain plan`'s speed flags (speed_args.py), which `zerotrain init` takes too."""
 
 # What each line of a memory table is, in the order estimate_rung reports them. `{...}` are
 # filled from the job: data-parallel size, dtype, bucket and live-parameter limits.
@@ -70,7 +75,9 @@ def run_questions(w: Wizard, model: nn.Module, source: str) -> Answers:
                         w.flags.get("nvme"))
     dtype = "fp32" if a["mixed_precision"] == "no" else a["mixed_precision"]
     attention = w.flags.get("attention") or "sdpa"
-    a.plan = make_plan(model, hardware, a["seq_len"], a["global_batch"], dtype, attention)
+    speed = SimpleNamespace(gpu_memory=a["gpu_memory"], **(w.flags.get("speed") or dict.fromkeys(SPEED_KEYS)))
+    rates, _ = rates_from_args(speed, a["gpus_per_machine"])  # ValueError on a bad probe file
+    a.plan = make_plan(model, hardware, a["seq_len"], a["global_batch"], dtype, attention, rates=rates)
     rec = a.plan.choice.rung if a.plan.choice else Rung(3, "cpu", "cpu", True)
     micro = a.plan.choice.micro_batch if a.plan.choice else 1
     work = Workload(a["seq_len"], micro, dtype, attention)
@@ -86,7 +93,7 @@ def run_questions(w: Wizard, model: nn.Module, source: str) -> Answers:
 
     summary = "nothing fits; the leanest rung is the default" if a.plan.choice is None else f"recommended: {rec.name}"
     stages = [Rung(s, gradient_checkpointing=ckpt) for s in (0, 1, 2, 3)]
-    with_ckpt = ", gradient checkpointing" if ckpt else ""
+    with_ckpt = {False: "", "selective": ", selective checkpointing", True: ", gradient checkpointing"}[ckpt]
     w.ask("zero_stage", "ZeRO stage (0-3)", choice(0, 1, 2, 3), rec.stage,
           table(stages, [f"stage {s}" for s in range(4)],
                 f"Micro-batch {micro}, {dtype}{with_ckpt}, {gpus_word(world)}; {summary}. Per GPU:", legend=True))
@@ -108,9 +115,10 @@ def run_questions(w: Wizard, model: nn.Module, source: str) -> Answers:
               "  yes: each process holds 1/N of the weights while loading instead of the whole model")
     else:
         a.values["offload_param"], a.values["zero3_init"] = "none", False
-    both = [Rung(stage, a["offload_optimizer"], a["offload_param"], c) for c in (False, True)]
-    w.ask("gradient_checkpointing", "Gradient checkpointing (yes/no)", YES_NO, ckpt,
-          table(both, ["no", "yes"], f"{both[0].name}, gradient checkpointing no or yes:"))
+    modes = [Rung(stage, a["offload_optimizer"], a["offload_param"], c) for c in (False, "selective", True)]
+    w.ask("gradient_checkpointing", "Gradient checkpointing (no/selective/yes)", CHECKPOINTING, ckpt,
+          table(modes, ["no", "selective", "yes"], f"{modes[0].name}, gradient checkpointing no, selective "
+                "(matmul and attention outputs kept) or yes (whole layers):"))
     per_gpu = a["global_batch"] // world
     default_accum = per_gpu // micro if per_gpu % micro == 0 else per_gpu
     w.ask("gradient_accumulation_steps", "Gradient accumulation steps", divisor_of(per_gpu), default_accum,

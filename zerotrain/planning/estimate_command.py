@@ -89,7 +89,8 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     hardware = pa.hardware(args.gpus_per_node, args.nodes, args)
     train = pa.train_yaml(args)
     micro = args.micro_batch or (train.training.micro_batch_size if train is not None else 1)
-    workload = Workload(pa.seq_len(args, model), micro, pa.compute_dtype(args, base), args.attention)
+    workload = Workload(pa.seq_len(args, model), micro, pa.compute_dtype(args, base), args.attention,
+                        pa.loss_chunk_tokens(args))
     rows = [estimate_rung(model, rung, workload, hardware, base)
             for rung in ladder(allow_nvme=True, checkpointing=args.gradient_checkpointing)]
     assumed = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))

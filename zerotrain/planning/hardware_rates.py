@@ -39,6 +39,9 @@ class Device:
     host_link_gbps: float = 25.0
     """Host<->device copy bandwidth (pinned), GB/s: what offload's copies move at."""
     memory_gb: float | None = None
+    memory_bandwidth_gbps: float | None = None
+    """HBM bandwidth from the datasheet, GB/s: what the memory-bound ops selective checkpointing
+    recomputes run at (None: not known, they are not counted)."""
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,13 @@ class CollectiveFit:
 # the engine's own step took 43 ms, 1-3% from the prediction: benchmarks/step_time/gpu_validate.py). The
 # other GPUs are scaled from it by memory bandwidth, as the step is memory-bound.
 _DEVICES = {
-    "h100": Device("NVIDIA H100 SXM", 989.0, 989.0 * 0.40, 27e9, 50.0, 80),
-    "h100-pcie": Device("NVIDIA H100 PCIe", 756.0, 756.0 * 0.40, 16e9, 50.0, 80),
-    "h200": Device("NVIDIA H200", 989.0, 989.0 * 0.42, 39e9, 50.0, 141),
-    "a100-80gb": Device("NVIDIA A100 80GB SXM", 312.0, 312.0 * 0.65, 16e9, 25.0, 80),
-    "a100-40gb": Device("NVIDIA A100 40GB SXM", 312.0, 312.0 * 0.65, 12.5e9, 25.0, 40),
-    "v100": Device("NVIDIA V100 32GB SXM2", 125.0, 125.0 * 0.45, 7.3e9, 12.0, 32),
-    "l40s": Device("NVIDIA L40S", 362.0, 362.0 * 0.45, 7e9, 25.0, 48),
+    "h100": Device("NVIDIA H100 SXM", 989.0, 989.0 * 0.40, 27e9, 50.0, 80, 3350.0),
+    "h100-pcie": Device("NVIDIA H100 PCIe", 756.0, 756.0 * 0.40, 16e9, 50.0, 80, 2000.0),
+    "h200": Device("NVIDIA H200", 989.0, 989.0 * 0.42, 39e9, 50.0, 141, 4800.0),
+    "a100-80gb": Device("NVIDIA A100 80GB SXM", 312.0, 312.0 * 0.65, 16e9, 25.0, 80, 2039.0),
+    "a100-40gb": Device("NVIDIA A100 40GB SXM", 312.0, 312.0 * 0.65, 12.5e9, 25.0, 40, 1555.0),
+    "v100": Device("NVIDIA V100 32GB SXM2", 125.0, 125.0 * 0.45, 7.3e9, 12.0, 32, 900.0),
+    "l40s": Device("NVIDIA L40S", 362.0, 362.0 * 0.45, 7e9, 25.0, 48, 864.0),
 }
 # Intra-node: bus bandwidth NCCL reaches for large all-reduces between the GPUs of one node.
 _INTRA = {

@@ -20,8 +20,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="pick the fastest ZeRO stage, offload and micro-batch that fit your GPUs",
         description="Walk the ladder of ZeRO configurations (stage 0, 1, 2, 2 + optimizer offload, 3, "
-        "3 + offloads, NVMe; each without then with gradient checkpointing) on the memory model and "
-        "recommend the fastest that fits, with the micro-batch and accumulation that keep the global batch.",
+        "3 + offloads, NVMe; each without, with selective and with whole-layer gradient checkpointing) on the "
+        "memory model and recommend the fastest that fits, with the micro-batch and accumulation that keep the global batch.",
     )
     pa.add_model_args(parser)
     parser.add_argument("--gpus", type=pa.positive_int, default=None, metavar="N",
@@ -104,7 +104,8 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.plot and not args.scale:
             raise ValueError("--plot draws the --scale curves: give --scale too, e.g. --scale 8,64,512")
         plan = make_plan(model, hardware, pa.seq_len(args, model), args.global_batch, pa.compute_dtype(args, base),
-                         args.attention, base, args.gradient_checkpointing, rates=rates)
+                         args.attention, base, args.gradient_checkpointing, rates=rates,
+                         loss_chunk_tokens=pa.loss_chunk_tokens(args))
     except (ConfigError, DataError, ValueError) as error:
         print_user_error("zerotrain plan", error)
         return USAGE_EXIT_CODE

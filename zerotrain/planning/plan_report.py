@@ -21,6 +21,9 @@ _GPU_COLUMNS = (
     ("logits", "logits peak"),
 )
 
+# The ckpt column: none, selective, whole layers.
+_CKPT_CELL = {False: "no", "selective": "sel", True: "yes"}
+
 
 def describe_setup(source: str, total_params: int, hardware: Hardware, workload: Workload,
                    assumed: str | None = None) -> str:
@@ -54,7 +57,7 @@ def format_rung_table(rows: list[RungEstimate], hardware: Hardware, wide: bool =
     for r in rows:
         rung = r.rung
         where = f"{rung.stage:<6}{_device(rung.offload_optimizer):<10}{_device(rung.offload_param):<8}"
-        where += f"{'yes' if rung.gradient_checkpointing else 'no':<5}"
+        where += f"{_CKPT_CELL[rung.gradient_checkpointing]:<5}"
         cells = "".join(cell(r.gpu.get(key, 0), 9) for _, key in terms)
         verdict = "-" if hardware.gpu_memory is None and hardware.cpu_memory is None else ("yes" if r.fits else "no")
         lines.append(f"{where}{cells}{cell(r.gpu_total, 9)}{cell(r.cpu_total, 10)}{cell(r.nvme_total, 10)}  {verdict}")
@@ -84,7 +87,11 @@ def format_plan(plan: Plan) -> str:
             f"step{'s' if plan.accumulation > 1 else ''} x {hw.world_size} GPU{'s' if hw.world_size > 1 else ''} "
             f"= global batch {plan.global_batch}."
         )
-        if c.rung.gradient_checkpointing:
+        if c.rung.gradient_checkpointing == "selective":
+            lines.append("  Selective checkpointing: training.gradient_checkpointing: selective (zerotrain train); "
+                         "elsewhere enable_gradient_checkpointing(model, \"selective\") from "
+                         "zerotrain.runtime.activation_checkpointing.")
+        elif c.rung.gradient_checkpointing:
             lines.append("  Gradient checkpointing: model.gradient_checkpointing_enable() (Hugging Face), "
                          "or training.gradient_checkpointing: true (zerotrain train).")
         lines.append(f"  per GPU {format_bytes(c.gpu_total)} + {format_bytes(c.gpu_reserve)} reserve"

@@ -55,7 +55,7 @@ def verify_plan(plan: Plan, model, args: argparse.Namespace, base: dict | None) 
         excluded.add(plan.choice.rung)
         plan = make_plan(model, hardware, plan.workload.seq_len, plan.global_batch, plan.workload.dtype,
                          plan.workload.attention, base, args.gradient_checkpointing, frozenset(excluded),
-                         rates=plan.rates)
+                         rates=plan.rates, loss_chunk_tokens=plan.workload.loss_chunk_tokens)
     plan.verification = records
     if not args.json:
         for line in notes:
@@ -98,7 +98,7 @@ def _run(plan: Plan, model, base: dict | None, master_port: int | None = None) -
         # left waiting in a collective for it.
         results = run_local_job(_worker, plan.hardware.world_size, model.config.to_dict(), ds, work.seq_len,
                                 work.micro_batch, plan.accumulation, work.attention,
-                                plan.choice.rung.gradient_checkpointing, name="zerotrain-verify",
+                                plan.choice.rung.gradient_checkpointing, work.loss_chunk_tokens, name="zerotrain-verify",
                                 master_port=master_port)
     except ChildFailedError as error:
         oom = sorted(rank for rank, f in error.failures.items() if _is_oom(f.message))
@@ -117,7 +117,7 @@ def _is_oom(message) -> bool:
 
 @recorded
 def _worker(config_dict: dict, ds: dict, seq_len: int, micro: int, accumulation: int, attention: str,
-            checkpointing: bool) -> dict:
+            checkpointing: bool | str, loss_chunk_tokens: int | None = None) -> dict:
     """One rank: build, train `STEPS` steps on random tokens, report bytes (or the OOM)."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -132,8 +132,13 @@ def _worker(config_dict: dict, ds: dict, seq_len: int, micro: int, accumulation:
         raise torch.OutOfMemoryError(f"out of memory ({_INJECT_OOM_ENV}, a test's injected failure)")
     with zerotrain.zero.Init(config_dict_or_path=ds, enabled=ds["zero_optimization"]["stage"] == 3):
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing
+
+    enable_gradient_checkpointing(model, checkpointing)  # False, "selective" or True
+    if loss_chunk_tokens:
+        from zerotrain.runtime.chunked_loss import enable_chunked_loss
+
+        enable_chunked_loss(model, loss_chunk_tokens)
     engine, *_ = zerotrain.initialize(model=model, config=ds)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -164,6 +169,9 @@ def _forward_measuring_saved(engine, tokens: torch.Tensor) -> tuple[int, torch.T
                 storages[ptr] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    from zerotrain.runtime.activation_checkpointing import kept_by_selective_checkpointing
+
+    with kept_by_selective_checkpointing() as kept, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = engine(input_ids=tokens, labels=tokens).loss
+        storages.update((p, n) for p, n in kept().items() if p not in params)  # selective checkpointing's
     return sum(storages.values()), loss

@@ -11,7 +11,7 @@ need several GPUs for this model?".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -83,7 +83,7 @@ class Plan:
     def workload_at_choice(self) -> Workload:
         assert self.workload is not None and self.choice is not None
         w = self.workload
-        return Workload(w.seq_len, self.choice.micro_batch, w.dtype, w.attention)
+        return replace(w, micro_batch=self.choice.micro_batch)
 
 
 def make_plan(
@@ -97,12 +97,14 @@ def make_plan(
     checkpointing: bool | None = None,
     exclude: frozenset[Rung] = frozenset(),
     rates: Rates | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> Plan:
     """The fastest rung of the ladder that fits `hardware`, with micro-batch and accumulation.
 
     `rates`: the hardware's speeds; with them the fastest is the one the step-time model
     predicts fastest, without them the first that fits in ladder order.
     `exclude` leaves rungs out (ones a verification run showed do not fit).
+    `loss_chunk_tokens`: zerotrain train's chunked loss (one chunk's logits at most), for every rung.
     Raises ValueError when the global batch does not split evenly over the GPUs.
     """
     world = hardware.world_size
@@ -112,26 +114,25 @@ def make_plan(
         )
     per_gpu = global_batch // world
     micro_batches = [m for m in range(per_gpu, 0, -1) if per_gpu % m == 0]
-    result = Plan(None, 0, global_batch, hardware=hardware,
-                  workload=Workload(seq_len, 1, dtype, attention), rates=rates)
+    work = Workload(seq_len, 1, dtype, attention, loss_chunk_tokens)
+    result = Plan(None, 0, global_batch, hardware=hardware, workload=work, rates=rates)
     flops = None
     for rung in ladder(allow_nvme=hardware.nvme_path is not None, checkpointing=checkpointing):
         if rung in exclude:
             continue
-        best = _largest_fitting(model, rung, micro_batches, hardware, seq_len, dtype, attention, base_config)
+        best = _largest_fitting(model, rung, micro_batches, hardware, work, base_config)
         if rates is None:
             if best is not None:
                 result.choice, result.accumulation = best, per_gpu // best.micro_batch
                 break
-            result.rejected.append(
-                estimate_rung(model, rung, Workload(seq_len, 1, dtype, attention), hardware, base_config))
+            result.rejected.append(estimate_rung(model, rung, work, hardware, base_config))
             continue
-        estimate = best or estimate_rung(model, rung, Workload(seq_len, 1, dtype, attention), hardware, base_config)
+        estimate = best or estimate_rung(model, rung, work, hardware, base_config)
         if flops is None:
             from zerotrain.planning.model_flops import model_flops
 
             flops = model_flops(model, seq_len)
-        step = predict_step(model, rung, Workload(seq_len, estimate.micro_batch, dtype, attention), hardware, rates,
+        step = predict_step(model, rung, replace(work, micro_batch=estimate.micro_batch), hardware, rates,
                             per_gpu // estimate.micro_batch, base_config, flops)
         result.timings.append((estimate, step))
     if rates is not None:
@@ -144,7 +145,6 @@ def make_plan(
             result.accumulation = per_gpu // result.choice.micro_batch
         bar = result.choice_time.step_s if result.choice else float("inf")
         result.rejected = [e for e, t in result.timings if not e.fits and t.step_s < bar]
-    work = Workload(seq_len, 1, dtype, attention)
     # The leanest rung is not always stage 3: on few GPUs its gathered units outweigh what it shards.
     leanest = [r for r in ladder(allow_nvme=False, checkpointing=True)]
     result.min_gpus_without_offload = _fewest(
@@ -159,11 +159,11 @@ def _fewest(counts) -> int | None:
     return min(found) if found else None
 
 
-def _largest_fitting(model, rung: Rung, micro_batches: list[int], hardware: Hardware, seq_len: int, dtype: str,
-                     attention: str, base_config) -> RungEstimate | None:
+def _largest_fitting(model, rung: Rung, micro_batches: list[int], hardware: Hardware, work: Workload,
+                     base_config) -> RungEstimate | None:
     # Memory grows with the micro-batch: test the smallest first, then bisect for the largest.
     def estimate(m: int) -> RungEstimate:
-        return estimate_rung(model, rung, Workload(seq_len, m, dtype, attention), hardware, base_config)
+        return estimate_rung(model, rung, replace(work, micro_batch=m), hardware, base_config)
 
     smallest = estimate(micro_batches[-1])
     if not smallest.fits:

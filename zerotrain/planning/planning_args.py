@@ -40,6 +40,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="only rungs with (or, --no-gradient-checkpointing, without) activation "
                         "recomputation (default: both)")
+    parser.add_argument("--loss-chunk-tokens", type=positive_int, default=None, metavar="N",
+                        help="zerotrain train's chunked loss: the LM head and loss N tokens at a time, so the "
+                        "full fp32 logits never exist (default: a train YAML's training.loss_chunk_tokens, else off)")
     parser.add_argument("--deepspeed", metavar="DS_CONFIG", default=None,
                         help="a DeepSpeed config whose optimizer, bucket sizes and stage-3 limits apply "
                         "(its stage and offload are what the rungs vary)")
@@ -111,6 +114,14 @@ def seq_len(args: argparse.Namespace, model) -> int:
         return cfg.data.seq_len
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN
+
+
+def loss_chunk_tokens(args: argparse.Namespace) -> int | None:
+    """--loss-chunk-tokens, else a train YAML's training.loss_chunk_tokens, else None (the model's own loss)."""
+    if getattr(args, "loss_chunk_tokens", None):
+        return args.loss_chunk_tokens
+    cfg = train_yaml(args)
+    return cfg.training.loss_chunk_tokens if cfg is not None else None
 
 
 def hardware(gpus_per_node: int, nodes: int, args: argparse.Namespace) -> Hardware:

@@ -53,6 +53,9 @@ class Workload:
     """Compute dtype: "bf16", "fp16" or "fp32"."""
     attention: str = "sdpa"
     """Attention kernel: "sdpa" (fused, no score matrix kept) or "eager"."""
+    loss_chunk_tokens: int | None = None
+    """zerotrain train's training.loss_chunk_tokens: the LM head and loss this many tokens at a time
+    (one chunk's logits at most); None: the model's own loss, all logits at once."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ def estimate_rung(
     gpu["gradient buckets"] = _gradient_bucket_bytes(buckets, rung.stage, low)
     gpu["gathered units"] = _gathered_unit_bytes(buckets, zero, low) if rung.stage == 3 else 0
     act = estimate_activations(model.config, workload.seq_len, workload.micro_batch,
-                               DTYPES[workload.dtype], workload.attention)
+                               DTYPES[workload.dtype], workload.attention, loss_chunk_tokens=workload.loss_chunk_tokens)
     gpu["activations"] = act.total(rung.gradient_checkpointing) - act.logits_peak_bytes
     gpu["logits peak"] = act.logits_peak_bytes
 

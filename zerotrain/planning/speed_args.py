@@ -16,7 +16,7 @@ from zerotrain.planning.hardware_rates import (
 )
 
 # The InfiniBand of each generation's usual cluster: what a plan across nodes assumes unless told.
-_USUAL_INTER = {"h100": "ib-ndr", "h200": "ib-ndr", "h100-pcie": "ib-ndr", "a100-80gb": "ib-hdr",
+USUAL_INTER = {"h100": "ib-ndr", "h200": "ib-ndr", "h100-pcie": "ib-ndr", "a100-80gb": "ib-hdr",
                 "a100-40gb": "ib-hdr", "v100": "ib-edr", "l40s": "200gbe"}
 # A GPU-memory size that names the device when --gpu is not given.
 _BY_MEMORY_GIB = {80: "h100", 141: "h200", 40: "a100-40gb", 32: "v100", 48: "l40s"}
@@ -46,7 +46,7 @@ def rates_from_args(args: argparse.Namespace, gpus_per_node: int) -> tuple[Rates
         device = _BY_MEMORY_GIB.get(gib, "h100")
         assumed.append(f"GPU speed: {device} (from --gpu-memory; give --gpu to say which)"
                        if gib in _BY_MEMORY_GIB else "GPU speed: h100 (give --gpu to say which)")
-    inter = args.inter_node or _USUAL_INTER[device]
+    inter = args.inter_node or USUAL_INTER[device]
     rates = named_rates(device, args.intra_node, None)
     from dataclasses import replace
 

@@ -175,7 +175,17 @@ def predict_step(model: nn.Module, rung: Rung, workload: Workload, hardware: Har
     else:
         layer_f = (flops.layer_matmul / rate + flops.layer_attention / attn_rate) * mb / flops.layers
     head_f = flops.head_matmul * mb / ((rates.head_tflops or rates.device.tflops) * 1e12)
-    recompute = rung.gradient_checkpointing
+    if workload.loss_chunk_tokens:  # each chunk's logits are made again in backward: 4 head passes, not 3
+        head_f *= 4 / 3
+    # Recompute in backward, in layer forwards: whole layers one; selective only the ops that are not matmuls or
+    # attention: the measured layer's time beyond its kernels', else memory-bound passes at the HBM bandwidth.
+    recompute = 1.0 if rung.gradient_checkpointing is True else 0.0
+    if rung.gradient_checkpointing == "selective":
+        kernels = (flops.layer_matmul / rate + flops.layer_attention / attn_rate) * mb / flops.layers
+        if rates.layer_tflops:
+            recompute = max(0.0, 1 - kernels / layer_f)
+        elif rates.device.memory_bandwidth_gbps:
+            recompute = _elementwise_forward_bytes(model, workload) / (rates.device.memory_bandwidth_gbps * GB) / layer_f
 
     def coll(kind: str, elements: int) -> float:
         return collective_s(kind, elements * low, world, per_node, rates)
@@ -319,7 +329,7 @@ def _micro_step(rung, b: _Buckets, layer_f, head_f, recompute, layers, reduce, k
     t += head_f
     fwd = layer_f * layers + head_f
     # Backward: the head first, then the layers last to first; buckets as they fill.
-    bwd_layer = layer_f * (2 + (1 if recompute else 0))
+    bwd_layer = layer_f * (2 + recompute)
     bwd = 2 * head_f + bwd_layer * layers
     start_bwd = t
     t += 2 * head_f
@@ -355,3 +365,19 @@ def _micro_step(rung, b: _Buckets, layer_f, head_f, recompute, layers, reduce, k
         t = start_bwd + bwd
     end = max(t, comm_free) if overlap else fwd + bwd + comm
     return fwd, bwd, comm, end
+
+
+# Eager Hugging Face Llama layers' forward moves about 29 x tokens x (hidden + intermediate) elements of the
+# compute dtype outside matmuls and attention (norms in fp32, rotary, SiLU, products, residuals, copies):
+# measured on an H100 (benchmarks/step_time/h100-2026-11-27: 2.15 ms of a 1.1B layer's forward at 16,384
+# tokens, HBM 3.35 TB/s). Selective checkpointing recomputes these in backward.
+ELEMENTWISE_PASSES = 29
+
+
+def _elementwise_forward_bytes(model: nn.Module, workload: Workload) -> float:
+    """Bytes a layer's forward moves outside its matmuls and attention."""
+    c = model.config
+    hidden = getattr(c, "hidden_size", None) or c.n_embd
+    inner = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+    tokens = workload.micro_batch * workload.seq_len
+    return ELEMENTWISE_PASSES * tokens * (hidden + inner) * DTYPES[workload.dtype].itemsize

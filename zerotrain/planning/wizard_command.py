@@ -58,6 +58,9 @@ def add_init_parser(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument(flag, metavar="ANSWER", default=None, help=what)
     parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa", help="attention kernel (default sdpa)")
     parser.add_argument("--nvme", metavar="PATH", default=None, help="a local NVMe folder for NVMe offload")
+    from zerotrain.planning.speed_args import add_speed_args
+
+    add_speed_args(parser)  # the recommendation is the fastest fitting configuration, as `zerotrain plan` picks
     parser.add_argument("-y", "--yes", action="store_true", help="take the recommended answer for every question "
                         "a flag does not answer")
     parser.add_argument("--output-deepspeed", default="ds_config.json", metavar="PATH",
@@ -74,7 +77,7 @@ def run_init(args: argparse.Namespace) -> int:
     """0: configs written; 1: a config that does not fit was not confirmed; 2: a wrong answer or file."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
-    from zerotrain.planning.config_wizard import Wizard, WizardError, run_questions
+    from zerotrain.planning.config_wizard import SPEED_KEYS, Wizard, WizardError, run_questions
     from zerotrain.planning.wizard_questions import YES_NO, model_kind
 
     outputs = [Path(p) for p in (args.output_deepspeed, args.output_train, args.accelerate_config) if p]
@@ -84,7 +87,8 @@ def run_init(args: argparse.Namespace) -> int:
         return USAGE_EXIT_CODE
     flags = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in _QUESTION_FLAGS}
     flags.update({dest: getattr(args, dest) for dest, _, _ in _LAYOUT_FLAGS})
-    flags.update(attention=args.attention, nvme=args.nvme, model=args.model)
+    flags.update(attention=args.attention, nvme=args.nvme, model=args.model,
+                 speed={k: getattr(args, k) for k in SPEED_KEYS})
     names = {"model": "MODEL", **{dest: spellings[0] for dest, spellings, _ in _LAYOUT_FLAGS}}
     wizard = Wizard(flags, assume_defaults=args.yes, flag_names=names)
     try:

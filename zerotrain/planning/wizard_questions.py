@@ -255,6 +255,20 @@ def _yes_no(text: str) -> bool:
 YES_NO = Kind(_yes_no, "yes or no (y/n)", lambda v: "yes" if v else "no")
 
 
+def _checkpointing(text: str) -> bool | str:
+    if text.strip().lower() in ("selective", "sel", "s"):
+        return "selective"
+    try:
+        return _yes_no(text)
+    except BadAnswer:
+        raise BadAnswer("not no, selective or yes") from None
+
+
+CHECKPOINTING = Kind(_checkpointing, "no, selective or yes",
+                     lambda v: "selective" if v == "selective" else "yes" if v else "no")
+"""Gradient checkpointing: no, selective (matmul and attention outputs kept) or yes (whole layers)."""
+
+
 def _number(text: str) -> float:
     try:
         return float(text.strip())

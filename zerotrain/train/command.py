@@ -118,11 +118,13 @@ def _flag_value(args: list[str], i: int, name: str) -> tuple[str, int]:
     return args[i + 1], i + 1
 
 
-def main_train(argv: Sequence[str], predict=None) -> int:
+def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.train.worker") -> int:
     """`zerotrain train`: returns the exit status (a Ctrl-C before training starts is cli.main's).
 
     `predict(cfg, world, per_node)`: the step-time prediction to leave in the run folder for the
-    trainer to compare with (the command layer passes it: train does not import planning)."""
+    trainer to compare with (the command layer passes it: train does not import planning).
+    `rank_module`: what each rank of a multi-node run runs (`python -m`), the worker by default; the
+    command layer names one that makes rank 0 predict first."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.config.error_report import print_user_error
     from zerotrain.train.config_files import load_train_config
@@ -194,7 +196,7 @@ def main_train(argv: Sequence[str], predict=None) -> int:
         # Only a flag that names other nodes (or a launcher) leaves this machine: --master_port or
         # --master_addr alone used to send a local run down the multi-node path, with 1 process on a CPU.
         if set(given) - RENDEZVOUS_FLAGS:
-            code = _train_on_nodes(cfg, run_dir, resume, flags, nproc)
+            code = _train_on_nodes(cfg, run_dir, resume, flags, nproc, rank_module)
         elif nproc == 1:
             code = run_in_this_process(cfg, resume)
         else:
@@ -223,7 +225,8 @@ def _local_processes(flags: dict) -> int:
     return flags["nproc_per_node"] or visible_gpu_count() or 2
 
 
-def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict, local_nproc: int) -> int:
+def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict, local_nproc: int,
+                    rank_module: str = "zerotrain.train.worker") -> int:
     """The run on every node of a hostfile (or Slurm allocation), through `zerotrain launch`'s launcher.
     Without a hostfile the ssh launcher runs here: with as many processes as a local run."""
     from zerotrain.launcher.local import LaunchError
@@ -234,7 +237,7 @@ def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict, local_nproc: int) -
     merged = cfg.write(run_dir)
     try:
         request = ClusterLaunch(
-            target="zerotrain.train.worker", target_args=(str(merged), "--resume", str(resume)), module=True,
+            target=rank_module, target_args=(str(merged), "--resume", str(resume)), module=True,
             local_rank_arg=False, hostfile=given.get("hostfile"), hostfile_given="hostfile" in given,
             include=given.get("include", ""), exclude=given.get("exclude", ""),
             num_nodes=int(given.get("num_nodes", -1)),

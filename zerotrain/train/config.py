@@ -144,8 +144,14 @@ class TrainingSection(ConfigSection):
     """Clip the global gradient norm to this value; 0 disables clipping."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Training precision; "auto": bf16 on a GPU that supports it, else fp32."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    gradient_checkpointing: bool | Literal["selective"] = False
+    """Recompute activations in backward to save memory: true recomputes each decoder layer whole
+    (keeps only its input); "selective" keeps the layer's matmul and attention outputs and
+    recomputes the rest (norms, activations, rotary: most of the tensors, few of the FLOPs)."""
+    loss_chunk_tokens: PositiveInt | None = None
+    """Compute the LM head and the loss this many tokens at a time, recomputing each chunk's logits
+    in backward, so the full fp32 logits (4 bytes x tokens x vocabulary) never exist at once.
+    None: the model's own loss. Llama, Mistral, Qwen2/3 and GPT-2 heads only."""
     seed: int = 42
     """Seed for model initialization and dropout."""
     eval_interval: NonNegativeInt = 100
@@ -220,7 +226,9 @@ class LoggingSection(ConfigSection):
     """A `zerotrain bench compute --json` file of this machine: the first timed steps are compared with
     the step-time model's prediction (a known GPU is predicted from its defaults without one)."""
     comm_probe: str | None = None
-    """A `zerotrain bench comm --json` file of these nodes, for that prediction's collectives."""
+    """A `zerotrain bench comm --json` file of these nodes, for that prediction's collectives; without it
+    a run across nodes assumes the GPU's usual inter-node link (25 GbE between CPU machines), and says
+    so in RUN/predicted_step.json."""
 
 
 class OutputSection(ConfigSection):

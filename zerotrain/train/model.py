@@ -131,26 +131,6 @@ def max_positions(model: nn.Module) -> int | None:
     return None
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recomputes each layer's activations in backward instead of keeping them.
-
-    Non-reentrant checkpointing: it works with frozen inputs and with ZeRO-3's hooks,
-    and the KV cache is switched off, which checkpointing cannot use anyway.
-    """
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ConfigError(
-            f"{type(model).__name__} does not support gradient checkpointing; "
-            "set training.gradient_checkpointing: false"
-        )
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; 4.x has only the old name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if getattr(model.config, "use_cache", None):
-        model.config.use_cache = False
-
-
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two param groups: weights decay; biases, norms and other 1-D parameters do not (as HF does)."""
     decay, no_decay = [], []

@@ -29,8 +29,10 @@ from zerotrain.checkpoint.hf_export import TOKENIZER_DIR
 from zerotrain.checkpoint.saver import publish_latest
 from zerotrain.comm.distributed import device_for, init_distributed
 from zerotrain.profiling.device_peaks import peak_tflops
+from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing
+from zerotrain.runtime.chunked_loss import enable_chunked_loss
 from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory
-from zerotrain.train.model import build_model, decay_groups, enable_gradient_checkpointing, max_positions
+from zerotrain.train.model import build_model, decay_groups, max_positions
 from zerotrain.train.progress import TrainingProgress
 from zerotrain.train.run_control import StopSignal, mark_started
 from zerotrain.train.hang_watch import HangWatch
@@ -69,8 +71,9 @@ class Trainer:
         zero = cfg.zero_dict()
         zero_stage = int((zero.get("zero_optimization") or {}).get("stage", 0))
         self.model = build_model(cfg.model, self.tokenizer, zero_init=zero if zero_stage == 3 else None)
-        if wants_gradient_checkpointing(cfg):
-            enable_gradient_checkpointing(self.model)
+        enable_gradient_checkpointing(self.model, wants_gradient_checkpointing(cfg))
+        if cfg.training.loss_chunk_tokens:
+            enable_chunked_loss(self.model, cfg.training.loss_chunk_tokens)
         self.data = build_data(
             cfg.data, self.tokenizer, max_positions=max_positions(self.model), rank=self.rank, world_size=self.world
         )

@@ -107,9 +107,12 @@ def build_engine_config(
     return engine, notes
 
 
-def wants_gradient_checkpointing(cfg: TrainConfig) -> bool:
-    """training.gradient_checkpointing, or an activation_checkpointing section in the DeepSpeed config."""
-    return bool(cfg.training.gradient_checkpointing or "activation_checkpointing" in (cfg.zero or {}))
+def wants_gradient_checkpointing(cfg: TrainConfig) -> bool | str:
+    """training.gradient_checkpointing (False, True or "selective"); True for an activation_checkpointing
+    section in the DeepSpeed config, which asks for whole layers."""
+    if cfg.training.gradient_checkpointing:
+        return cfg.training.gradient_checkpointing
+    return "activation_checkpointing" in (cfg.zero or {})
 
 
 def resolve_precision(precision: str, device_type: str, zero: Mapping[str, Any] | None = None) -> str:

@@ -1,0 +1,68 @@
+"""The causal-LM loss a chunk of tokens at a time (`training.loss_chunk_tokens`).
+
+A model's own loss builds the logits of every token (tokens x vocabulary in the compute dtype),
+upcasts them to fp32 and keeps the log-softmax for backward: at a 128K vocabulary and 8K tokens
+that is 4 GiB for the fp32 copy alone, often the largest activation of the step. Here the LM head
+and the cross-entropy run over `chunk` tokens at a time under a checkpoint: each chunk's logits
+are freed once its loss is summed and made again in backward, so at most one chunk's exist.
+
+Only for heads whose logits are the LM head applied to the last hidden state, nothing after it
+(no soft-capping or scaling): other models are refused rather than trained on another loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zerotrain.config.errors import ConfigError
+
+PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+"""model_type values whose logits are `lm_head(last_hidden_state)` and whose loss is plain cross-entropy."""
+IGNORE_INDEX = -100
+
+
+def enable_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
+    """Replaces `model`'s forward with one whose loss is computed `chunk_tokens` at a time.
+
+    The same call (`model(input_ids=..., labels=...)`) and the same loss as the model's own (the
+    mean cross-entropy of each token's next-token prediction, -100 labels left out); `logits` is
+    None when `labels` are given. Parameter names and checkpoints are unchanged.
+    """
+    kind = getattr(model.config, "model_type", None)
+    if kind not in PLAIN_HEADS:
+        raise ConfigError(f"training.loss_chunk_tokens: not supported for model_type {kind!r} (supported: "
+                          f"{', '.join(PLAIN_HEADS)}); remove the key to use the model's own loss")
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    base, head = model.base_model, model.get_output_embeddings()
+    own_forward = model.forward
+
+    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs: Any):
+        if labels is None:  # generation, evaluation without labels: the model's own forward
+            return own_forward(input_ids=input_ids, **kwargs)
+        kwargs.setdefault("use_cache", False)
+        hidden = base(input_ids=input_ids, **kwargs).last_hidden_state
+        return CausalLMOutputWithPast(loss=chunked_causal_lm_loss(hidden, labels, head, chunk_tokens))
+
+    model.forward = forward
+
+
+def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, chunk: int) -> torch.Tensor:
+    """Mean next-token cross-entropy of `head(hidden)` against `labels` (shifted by one, as the
+    models shift them), `chunk` tokens of the flattened batch at a time."""
+    states = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = labels[:, 1:].reshape(-1).to(hidden.device)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, targets.numel(), chunk):
+        total = total + checkpoint(_chunk_loss, states[start : start + chunk], targets[start : start + chunk], head,
+                                   use_reentrant=False)
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def _chunk_loss(states: torch.Tensor, targets: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    logits = head(states).float()  # as the models' own loss: cross-entropy in fp32
+    return nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
