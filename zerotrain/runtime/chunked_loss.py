@@ -25,6 +25,13 @@ PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 IGNORE_INDEX = -100
 
 
+def check_chunked_loss(model_type: str | None) -> None:
+    """ConfigError unless the chunked loss reproduces this model type's own loss (see PLAIN_HEADS)."""
+    if model_type not in PLAIN_HEADS:
+        raise ConfigError(f"training.loss_chunk_tokens: not supported for model_type {model_type!r} (supported: "
+                          f"{', '.join(PLAIN_HEADS)}); remove the key to use the model's own loss")
+
+
 def enable_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
     """Replaces `model`'s forward with one whose loss is computed `chunk_tokens` at a time.
 
@@ -32,10 +39,7 @@ def enable_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
     mean cross-entropy of each token's next-token prediction, -100 labels left out); `logits` is
     None when `labels` are given. Parameter names and checkpoints are unchanged.
     """
-    kind = getattr(model.config, "model_type", None)
-    if kind not in PLAIN_HEADS:
-        raise ConfigError(f"training.loss_chunk_tokens: not supported for model_type {kind!r} (supported: "
-                          f"{', '.join(PLAIN_HEADS)}); remove the key to use the model's own loss")
+    check_chunked_loss(getattr(model.config, "model_type", None))
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     base, head = model.base_model, model.get_output_embeddings()

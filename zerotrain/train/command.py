@@ -130,7 +130,8 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
     from zerotrain.train.config_files import load_train_config
     from zerotrain.train.metrics import check_sink_packages
     from zerotrain.train.data.build import check_data_sources
-    from zerotrain.train.model import check_model_config
+    from zerotrain.runtime.chunked_loss import check_chunked_loss
+    from zerotrain.train.model import check_model_config, model_type_of
     from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
     from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
     from zerotrain.train.run_folder import discard_unstarted_run, first_missing_folder
@@ -146,6 +147,8 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
         cfg = load_train_config(config, overrides)
         check_sink_packages(cfg.logging)  # a missing wandb/tensorboard fails now, before any process starts
         check_model_config(cfg.model)  # a misspelt architecture or config_overrides key, likewise
+        if cfg.training.loss_chunk_tokens:  # a head the chunked loss cannot reproduce, likewise
+            check_chunked_loss(model_type_of(cfg.model))
         check_data_sources(cfg.data)  # a missing file, a bad first record: once, here, not once per rank
         resume = "auto" if flags["resume"] else cfg.training.resume
         run_dir = Path(cfg.output.dir)

@@ -74,6 +74,18 @@ def hf_config_of(section: Any) -> Any:
         raise unbuildable(error, section) from error
 
 
+def model_type_of(section: Any) -> str | None:
+    """The `model_type` the `model` section builds: a directory's config.json, else the built config's."""
+    if section.path:
+        import json
+
+        try:
+            return json.loads((Path(section.path).expanduser() / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            return None  # check_model_directory names what is wrong with the folder
+    return hf_config_of(section).model_type
+
+
 def check_model_config(section: Any) -> None:
     """What can be checked of a `model` section without a tokenizer or weights: the architecture
     name and the config_overrides keys. Run by `config check` and by `zerotrain train` before any
