@@ -24,7 +24,7 @@ from types import SimpleNamespace as Case
 
 import torch
 
-from zerotrain.planning.hardware_rates import DEVICE_NAMES, inter_node_link, named_rates
+from zerotrain.planning.hardware_rates import DEVICE_NAMES, named_rates, with_inter_node
 from zerotrain.planning.ladder import Rung
 from zerotrain.planning.model_flops import model_flops
 from zerotrain.planning.rung_memory import Hardware, Workload
@@ -67,10 +67,11 @@ def prepare(e: dict) -> Case | str:
     if gpus > per_node:
         stated = hw.get("inter_node") or ""
         inter = next((name for key, name in INTER if key in stated), None)
-        if inter is None:
+        assumed = inter is None
+        if assumed:
             inter = ASSUMED_INTER[device]
             assumptions.append(f"inter-node link not stated: {inter} assumed")
-        rates = replace(rates, inter=inter_node_link(inter, per_node))
+        rates = with_inter_node(rates, inter, per_node, assumed)
     ckpt = t["activation_checkpointing"]
     if selective := ckpt.startswith("selective"):
         assumptions.append("selective checkpointing: its recompute (elementwise ops) at the GPU's HBM bandwidth, "

@@ -4,8 +4,8 @@
   GEMMs (grad input, grad weight), laid out as nn.Linear lays them (weight [out, in]).
 - attention: causal SDPA forward + backward, counted as step_flops counts it: QK^T and AV over the
   full s x s square (4.b.n.s.s.d forward, twice that backward), causal or not.
-- Adam: torch.optim.Adam steps over one flat fp32 tensor (ZeRO's flat master shard), fused where torch
-  has the kernel (the engine's choice for CPU masters, zerotrain/optim/optimizers.py), else foreach.
+- Adam: AdamW steps over one flat fp32 tensor (ZeRO's flat master shard), built as the engine builds it
+  for a master on that device (zerotrain/optim/optimizers.py: fused on the CPU, foreach on a GPU).
 - copies: pinned host <-> device copies of one 256 MiB buffer (GB/s = 1e9 bytes/s), and copies on the
   device into an existing and into a newly allocated buffer (the engine's gradient-buffer traffic).
 - the model's own layer and head (with MODEL): a one-layer copy of the model on the device, its decoder

@@ -43,14 +43,11 @@ def predict_train_step(cfg, world: int, per_node: int) -> dict[str, Any] | None:
     if probes.comm_probe:
         rates = with_comm_probe(rates, probes.comm_probe)
     if world > per_node and rates.inter is None:  # across nodes, with no link named: the usual one, said
-        from dataclasses import replace
-
-        from zerotrain.planning.hardware_rates import inter_node_link
+        from zerotrain.planning.hardware_rates import with_inter_node
         from zerotrain.planning.speed_args import USUAL_INTER
 
-        name = USUAL_INTER[gpu] if gpu else "25gbe"  # CPU machines: a plain Ethernet NIC
-        rates = replace(rates, inter=inter_node_link(name, per_node),
-                        sources=rates.sources + (f"inter-node: {name} (assumed)",))
+        # CPU machines: a plain Ethernet NIC
+        rates = with_inter_node(rates, USUAL_INTER[gpu] if gpu else "25gbe", per_node, assumed=True)
     t = cfg.training
     rung = train_config_rung(cfg)
     dtype = t.precision if t.precision in ("bf16", "fp16", "fp32") else ("bf16" if gpu else "fp32")

@@ -197,6 +197,12 @@ def inter_node_link(name: str, gpus_per_node: int) -> Link:
     return Link(f"{name} ({words})", gbit / 8 * count * efficiency, _INTER_LATENCY_S)
 
 
+def with_inter_node(rates: Rates, name: str, gpus_per_node: int, assumed: bool = False) -> Rates:
+    """`rates` with the inter-node link `name`, recorded in its sources ("(assumed)" when nobody named it)."""
+    return replace(rates, inter=inter_node_link(name, gpus_per_node),
+                   sources=rates.sources + (f"inter-node: {name}" + (" (assumed)" if assumed else ""),))
+
+
 def _pick(table: dict, name: str, what: str):
     try:
         return table[name.lower()]

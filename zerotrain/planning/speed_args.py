@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from zerotrain.planning.hardware_rates import (
-    DEVICE_NAMES, INTER_NAMES, INTRA_NAMES, Rates, inter_node_link, named_rates, with_comm_probe, with_compute_probe,
+    DEVICE_NAMES, INTER_NAMES, INTRA_NAMES, Rates, named_rates, with_comm_probe, with_compute_probe, with_inter_node,
 )
 
 # The InfiniBand of each generation's usual cluster: what a plan across nodes assumes unless told.
@@ -47,11 +47,8 @@ def rates_from_args(args: argparse.Namespace, gpus_per_node: int) -> tuple[Rates
         assumed.append(f"GPU speed: {device} (from --gpu-memory; give --gpu to say which)"
                        if gib in _BY_MEMORY_GIB else "GPU speed: h100 (give --gpu to say which)")
     inter = args.inter_node or USUAL_INTER[device]
-    rates = named_rates(device, args.intra_node, None)
-    from dataclasses import replace
-
-    rates = replace(rates, inter=inter_node_link(inter, gpus_per_node),
-                    sources=rates.sources + (f"inter-node: {inter}" + ("" if args.inter_node else " (assumed)"),))
+    rates = with_inter_node(named_rates(device, args.intra_node, None), inter, gpus_per_node,
+                            assumed=not args.inter_node)
     if args.compute:
         rates = with_compute_probe(rates, args.compute)
     if args.comm:

@@ -107,8 +107,9 @@ def collective_s(kind: str, nbytes: float, world: int, gpus_per_node: int, rates
     factor = bus_factor(kind, world)
     passes = 2 if kind == "all_reduce" else 1
     fit = rates.fits.get(kind)
-    if fit is not None and world == fit.ranks and fit.measured_s(nbytes) is not None:
-        return fit.measured_s(nbytes)  # between two measured sizes on as many ranks: read off the measurements
+    measured = fit.measured_s(nbytes) if fit is not None and world == fit.ranks else None
+    if measured is not None:  # between two measured sizes on as many ranks: read off the measurements
+        return measured
     if fit is not None:  # measured: its fixed cost grows with the ring's steps
         steps = max(1, fit.ranks - 1)
         return fit.fixed_s * (world - 1) / steps + nbytes * factor / (fit.busbw_gbps * GB)
@@ -180,12 +181,12 @@ def predict_step(model: nn.Module, rung: Rung, workload: Workload, hardware: Har
     # Recompute in backward, in layer forwards: whole layers one; selective only the ops that are not matmuls or
     # attention: the measured layer's time beyond its kernels', else memory-bound passes at the HBM bandwidth.
     recompute = 1.0 if rung.gradient_checkpointing is True else 0.0
-    if rung.gradient_checkpointing == "selective":
+    if rung.gradient_checkpointing == "selective" and rates.layer_tflops:
         kernels = (flops.layer_matmul / rate + flops.layer_attention / attn_rate) * mb / flops.layers
-        if rates.layer_tflops:
-            recompute = max(0.0, 1 - kernels / layer_f)
-        elif rates.device.memory_bandwidth_gbps:
-            recompute = _elementwise_forward_bytes(model, workload) / (rates.device.memory_bandwidth_gbps * GB) / layer_f
+        recompute = max(0.0, 1 - kernels / layer_f)
+    elif rung.gradient_checkpointing == "selective" and rates.device.memory_bandwidth_gbps:
+        hbm = rates.device.memory_bandwidth_gbps * GB
+        recompute = _elementwise_forward_bytes(model, workload) / hbm / layer_f
 
     def coll(kind: str, elements: int) -> float:
         return collective_s(kind, elements * low, world, per_node, rates)
