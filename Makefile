@@ -1,6 +1,6 @@
 # zerotrain — quick start: `make demo`, then `make test`.
 # The torch build is pinned here, in one place; override it on the command line,
-# e.g. `make demo TORCH=2.5.1` or `make test TORCH="2.11.0 --index-url <your index>"`.
+# e.g. `make demo TORCH=2.11.0` or `make test TORCH="2.11.0 --index-url <your index>"`.
 TORCH  ?= 2.13.0
 PYTHON ?= python3
 VENV   ?= .venv
