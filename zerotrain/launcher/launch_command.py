@@ -54,7 +54,7 @@ def add_launch_flags(
     add("--master_addr", default=None, metavar="ADDR",
         help="rendezvous address (default: the first node, as ssh reaches it; 127.0.0.1 on one machine)")
     add("--master_port", type=int, default=None, metavar="PORT",
-        help="rendezvous port (default: 29500; on one machine a free port if 29500 is busy)")
+        help="rendezvous port (default: 29500 across nodes; on one machine a free port the launcher picks)")
     add("--launcher", default="ssh", choices=["ssh", "pdsh", "openmpi", "mpich", "impi", "slurm"],
         help="how nodes are started: ssh (built in; pdsh is an alias), srun inside a Slurm allocation, "
         "or mpirun (default: %(default)s)")
@@ -115,13 +115,16 @@ def launch_request(args: argparse.Namespace):
 def run_launch(args: argparse.Namespace) -> int:
     """`zerotrain launch`: runs the job (this machine, or every node of a hostfile); returns its exit status."""
     from zerotrain.compat.deepspeed_standin import with_standin
+    from zerotrain.compat.json_only_configs import check_json_loadable, trainer_config_arguments
+    from zerotrain.config.errors import ConfigError
     from zerotrain.launcher.local import LaunchError
     from zerotrain.launcher.multinode import launch
 
     # Every rank's `import deepspeed` is zerotrain (docs/huggingface.md).
     os.environ.update(with_standin(dict(os.environ)))
     try:
+        check_json_loadable(trainer_config_arguments(args.script_args))  # a Trainer's --deepspeed FILE
         return launch(launch_request(args))
-    except LaunchError as error:
+    except (LaunchError, ConfigError) as error:
         print_user_error("zerotrain launch", error)
         return USAGE_EXIT_CODE

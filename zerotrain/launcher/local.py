@@ -31,7 +31,8 @@ from zerotrain.launcher.failures import read_failure_times, report_failure
 from zerotrain.config.errors import UserInputError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
-# DeepSpeed's and torchrun's default rendezvous port.
+# DeepSpeed's and torchrun's default rendezvous port: a multi-node job's, when none is given. A job on
+# one machine without --master_port takes a port the operating system picks as it binds it (held_rendezvous_port).
 DEFAULT_MASTER_PORT = 29500
 # Seconds between the agent's checks on its workers; short, so a failed rank
 # stops the job within a fraction of a second rather than the old default of 5 s.
@@ -83,21 +84,54 @@ def pick_free_port() -> int:
 
 
 def choose_master_port(requested: int | None, console: Console) -> int:
-    """The rendezvous port: the user's, else 29500, else (29500 busy) a free one, saying so."""
+    """The rendezvous port of a one-machine job whose store another process binds (a node agent's):
+    the user's, else one free now. Not 29500: jobs started together would all aim at it."""
     if requested is not None:
-        if not 0 < requested < 65536:
-            raise LaunchError(f"--master_port must be between 1 and 65535, got {requested}")
+        _check_port_range(requested)
         if not port_is_free(requested):
-            raise LaunchError(
-                f"--master_port {requested} is already in use on this machine "
-                "(another job still running?); choose another port or leave it out to pick a free one"
-            )
+            raise LaunchError(_port_in_use(requested))
         return requested
-    if port_is_free(DEFAULT_MASTER_PORT):
-        return DEFAULT_MASTER_PORT
-    port = pick_free_port()
-    console.print(f"[yellow]zerotrain launch: port {DEFAULT_MASTER_PORT} is busy, using free port {port}[/]")
-    return port
+    return pick_free_port()
+
+
+def _check_port_range(port: int) -> None:
+    if not 0 < port < 65536:
+        raise LaunchError(f"--master_port must be between 1 and 65535, got {port}")
+
+
+def _port_in_use(port: int) -> str:
+    return (f"--master_port {port} is already in use on this machine "
+            "(another job still running?); choose another port or leave it out to pick a free one")
+
+
+@contextlib.contextmanager
+def held_rendezvous_port(requested: int | None) -> Iterator[int]:
+    """The rendezvous port, bound by this process for as long as the job runs: `requested`
+    exactly (LaunchError if it is out of range or taken), else one the operating system picks.
+
+    A port checked free and bound later can be taken in between: two jobs started together both
+    saw 29500 free and one died with EADDRINUSE. Here binding is the check. The store is
+    multi-tenant, so torch's static rendezvous in this process, asked for the same port, shares
+    this server instead of binding again, and the workers connect to it as clients (the agent's
+    store, TORCHELASTIC_USE_AGENT_STORE), as they did to the server the agent used to bind.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if requested is not None:
+        _check_port_range(requested)
+    try:
+        store = dist.TCPStore(DEFAULT_MASTER_ADDR, requested or 0, None, True, datetime.timedelta(seconds=60),
+                              wait_for_workers=False, multi_tenant=True)
+    except RuntimeError as error:  # DistNetworkError: EADDRINUSE
+        if requested is None:
+            raise
+        raise LaunchError(_port_in_use(requested)) from error
+    try:
+        yield int(store.port)
+    finally:
+        del store  # the server closes, freeing the port, once the agent's handle on it is gone too
 
 
 def check_target(launch: LocalLaunch) -> None:
@@ -251,8 +285,13 @@ def launch_local(launch: LocalLaunch, console: Console | None = None, quiet_inte
     nproc = max(1, gpus) if launch.nproc is None else launch.nproc
     if nproc < 1:
         raise LaunchError(f"the number of processes must be at least 1, got {nproc}")
-    master_port = choose_master_port(launch.master_port, console)
+    with held_rendezvous_port(launch.master_port) as master_port:
+        return _run_agent(launch, nproc, gpus, master_port, console, quiet_interrupt)
 
+
+def _run_agent(launch: LocalLaunch, nproc: int, gpus: int, master_port: int, console: Console,
+               quiet_interrupt: bool) -> int:
+    """torch's elastic agent, in this process, running `launch`'s workers; the job's exit status."""
     # Imported here: torch.distributed.run is slow to import and `--help` should not pay for it.
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

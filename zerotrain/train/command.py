@@ -22,7 +22,6 @@ from typing import Sequence
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from zerotrain.config.error_report import USAGE_EXIT_CODE
 from zerotrain.config.flag_spellings import GPUS_PER_NODE, NODES
@@ -62,8 +61,6 @@ Llama learning a generated arithmetic language on this machine.
 Ctrl-C (or SIGTERM) stops after the current step with a checkpoint; resume with --resume.
 ZEROTRAIN_DEBUG=1 shows full tracebacks.
 """
-# How long a rank other than 0 holds back a config or data error that rank 0 reports too.
-REPEAT_ERROR_WAIT_S = 5.0
 # How long `--detach` waits for every rank to be up before it reports the run started.
 DETACH_START_TIMEOUT_S = 600.0
 
@@ -130,12 +127,14 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
     from zerotrain.train.config_files import load_train_config
     from zerotrain.train.metrics import check_sink_packages
     from zerotrain.train.data.build import check_data_sources
+    from zerotrain.train.data_check import check_data_fits
     from zerotrain.runtime.chunked_loss import check_chunked_loss
     from zerotrain.train.model import check_model_config, model_type_of
     from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
     from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
     from zerotrain.train.run_folder import discard_unstarted_run, first_missing_folder
     from zerotrain.train.run_folder import require_checkpoint_to_resume
+    from zerotrain.train.rank_run import run_in_this_process
     from zerotrain.train.step_prediction import write_prediction
     from zerotrain.train.zero_fill import check_batch_at_world
 
@@ -149,7 +148,8 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
         check_model_config(cfg.model)  # a misspelt architecture or config_overrides key, likewise
         if cfg.training.loss_chunk_tokens:  # a head the chunked loss cannot reproduce, likewise
             check_chunked_loss(model_type_of(cfg.model))
-        check_data_sources(cfg.data)  # a missing file, a bad first record: once, here, not once per rank
+        # A missing file, a bad first record: once, here, not once per rank.
+        check_data_sources(cfg.data, evaluate=cfg.training.eval_interval > 0)
         resume = "auto" if flags["resume"] else cfg.training.resume
         run_dir = Path(cfg.output.dir)
         under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks()
@@ -162,6 +162,8 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
         prediction = None
         if not under_launcher and not set(flags["launch"]) - RENDEZVOUS_FLAGS:
             check_batch_at_world(cfg, _local_processes(flags))  # multi-node: the nodes' ranks check it
+            if _local_processes(flags) > 1:  # one process: the trainer here checks it before training, as well
+                check_data_fits(cfg, _local_processes(flags))
             if predict is not None and not flags["detach"]:  # a detached run predicts in its own process
                 prediction = predict(cfg, _local_processes(flags), _local_processes(flags))
         elif predict is not None and under_launcher and os.environ.get("RANK") == "0":
@@ -222,10 +224,15 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
 
 
 def _local_processes(flags: dict) -> int:
-    """Processes a run on this machine starts: --nproc_per_node, else every GPU, else 2 on a CPU."""
+    return local_process_count(flags["nproc_per_node"])
+
+
+def local_process_count(nproc_per_node: int | None = None) -> int:
+    """Processes a run on this machine starts: --nproc_per_node, else every GPU, else 2 on a CPU
+    (`zerotrain estimate`/`plan` of a train YAML assume the same)."""
     from zerotrain.launcher.local import visible_gpu_count
 
-    return flags["nproc_per_node"] or visible_gpu_count() or 2
+    return nproc_per_node or visible_gpu_count() or 2
 
 
 def _train_on_nodes(cfg, run_dir: Path, resume, flags: dict, local_nproc: int,
@@ -289,75 +296,6 @@ def _detach(run_dir: Path, argv: list[str]) -> int:
 def _under_slurm_tasks() -> bool:
     # srun starts one task per rank; each must train, not launch more processes.
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
-
-
-def run_in_this_process(cfg, resume: str) -> int:
-    """Runs the trainer in this process (one rank of a launched job, or a single process)."""
-    from zerotrain.checkpoint.errors import CheckpointError
-    from zerotrain.config.errors import ConfigError
-    from zerotrain.config.error_report import print_user_error
-    from zerotrain.train.data import DataError
-    from zerotrain.train.trainer import Trainer
-
-    rank = os.environ.get("RANK", "0")
-    try:
-        trainer = Trainer(cfg, resume=resume)
-        summary = trainer.run()
-    except (ConfigError, DataError) as error:
-        # A problem with the user's config or data: the message names it and the fix; a traceback would bury it.
-        _print_once_per_job(rank, lambda: print_user_error(f"zerotrain train (rank {rank})", error))
-        return USAGE_EXIT_CODE
-    except CheckpointError as error:
-        print_user_error(f"zerotrain train (rank {rank})", error)
-        return 1
-    if summary["status"] == "stopped" and summary["stopped_by"] in ("SIGINT", "SIGTERM"):
-        if trainer.rank == 0:
-            Console(soft_wrap=True).print(
-                f"stopped at step {summary['steps']} ({summary['stopped_by']}); checkpoint saved; resume with: "
-                f"zerotrain train {escape(shlex.quote(str(Path(cfg.output.dir) / 'config.yaml')))} --resume"
-            )
-        return INTERRUPTED_EXIT_CODE
-    if trainer.rank == 0:
-        print_summary(summary, Console(soft_wrap=True))
-    return 0
-
-
-def _print_once_per_job(rank: str, report) -> None:
-    """Config and data errors are the same on every rank: rank 0 reports at once; another rank waits
-    a moment first, and the launcher, stopping the job on rank 0's report, ends it before it repeats
-    the message. A rank alone in its error still reports it after the wait."""
-    if rank != "0" and os.environ.get("WORLD_SIZE", "1") != "1":
-        import signal
-        import time
-
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's graceful-stop handler would wait out the sleep
-        time.sleep(REPEAT_ERROR_WAIT_S)
-    report()
-
-
-def print_summary(summary: dict, console: Console) -> None:
-    """The one-screen report at the end of a run."""
-    table = Table(title=f"zerotrain train: {summary['status']}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    rows = [
-        ("steps", f"{summary['steps']} ({summary['steps_this_run']} in this run)"),
-        ("tokens", f"{summary['tokens']:,}"),
-        ("wall time", f"{summary['wall_time_s']:.1f} s"),
-        ("mean tokens/s", f"{summary['mean_tokens_per_s']:,.0f}"),
-        ("final loss", f"{summary['final_loss']:.4f}"),
-    ]
-    if "eval_loss" in summary:
-        at = f" (step {summary['eval_step']})" if "eval_step" in summary else ""
-        rows.append((f"eval loss / ppl{at}", f"{summary['eval_loss']:.4f} / {summary['eval_ppl']:.2f}"))
-    rows += [("run directory", summary["run_dir"]), ("checkpoints", summary["checkpoints"])]
-    if summary.get("hf_model"):
-        rows.append(("Hugging Face model", summary["hf_model"]))
-    if summary.get("metrics_csv"):
-        rows.append(("metrics", summary["metrics_csv"]))
-    for key, value in rows:
-        table.add_row(key, escape(str(value)))
-    console.print(table)
 
 
 def add_run_parsers(subparsers: argparse._SubParsersAction) -> None:

@@ -31,6 +31,8 @@ from zerotrain.config.errors import ConfigError, describe_validation_error, rend
 from zerotrain.config.loader import read_config_file
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.schema_types import ConfigSection, NonNegativeFloat, NonNegativeInt, PositiveInt, config_problem
+from zerotrain.system.durable_files import atomic_write_text
+from zerotrain.train.zero_section import validate_zero_section, zero_section_problems
 
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default_config.yaml")
 """What `zerotrain train` runs without a CONFIG (and `make demo`)."""
@@ -325,9 +327,7 @@ class TrainConfig(ConfigSection):
         target.parent.mkdir(parents=True, exist_ok=True)
         text = _WRITTEN_HEADER + yaml.safe_dump(absolute_paths(self.as_dict()), sort_keys=False, allow_unicode=True)
         # Ranks may read the file while rank 0 rewrites it: replace it atomically.
-        partial = target.with_name(f".{CONFIG_FILE_NAME}.{os.getpid()}.tmp")
-        partial.write_text(text, encoding="utf-8")
-        partial.replace(target)
+        atomic_write_text(target, text)
         return target
 
 
@@ -368,7 +368,7 @@ def validate_train_config(data: Mapping[str, Any], origin: str | None = None) ->
     except ValidationError as error:
         problems.extend(describe_validation_error(error, TrainConfig).splitlines())
     if isinstance(data.get("zero"), Mapping):
-        problems.extend(_zero_problems(data["zero"]))
+        problems.extend(zero_section_problems(data["zero"]))
     if problems or cfg is None:
         where = f" in {origin}" if origin else ""
         raise ConfigError(f"invalid zerotrain train config{where}:\n" + "\n".join(f"  {p}" for p in problems))
@@ -380,25 +380,3 @@ def mark_user_set(section: BaseModel, keys: set[str]) -> None:
     """Record which keys of ``section`` count as set by the user (pydantic's ``model_fields_set``):
     a DeepSpeed value wins silently only over a training key the user did not set."""
     object.__setattr__(section, "__pydantic_fields_set__", set(keys) & set(type(section).model_fields))
-
-
-def validate_zero_section(zero: Mapping[str, Any], origin: str | None = None) -> ZeroTrainConfig:
-    """The DeepSpeed section as a ZeroTrainConfig; ConfigError with ``zero.``-prefixed keys if invalid."""
-    problems = _zero_problems(zero)
-    if problems:
-        where = f" in {origin}" if origin else ""
-        raise ConfigError(f"invalid zero (DeepSpeed) section{where}:\n" + "\n".join(f"  {p}" for p in problems))
-    return ZeroTrainConfig.model_validate(dict(zero))
-
-
-class _ZeroHolder(BaseModel):
-    # Validating through a holder makes describe_validation_error name keys "zero.<key>".
-    zero: ZeroTrainConfig
-
-
-def _zero_problems(zero: Mapping[str, Any]) -> list[str]:
-    try:
-        _ZeroHolder.model_validate({"zero": dict(zero)})
-    except ValidationError as error:
-        return describe_validation_error(error, _ZeroHolder).splitlines()
-    return []

@@ -21,3 +21,16 @@ class RunState:
     # FlopCounterMode, whose dispatch changes its gradients by an ulp: a resumed run that counted
     # again would leave the uninterrupted run's losses. It reuses the count where the shape holds.
     flops: dict = field(default_factory=dict)
+
+
+def plan_changes(saved: dict, now: dict) -> list[str]:
+    """What differs between the plan a checkpoint was saved under (`saved`, a RunState's fields) and
+    this run's (`now`: global_batch, total_steps, schedule), as "what: old → new"."""
+    changes = []
+    labels = {"global_batch": "global batch (samples per step)", "total_steps": "total steps",
+              "schedule": "learning-rate schedule"}
+    for key, label in labels.items():
+        old = saved.get(key)
+        if old not in (None, 0, {}) and old != now[key]:
+            changes.append(f"{label}: {old} → {now[key]}")
+    return changes

@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import zerotrain
 from zerotrain.checkpoint.hf_export import TOKENIZER_DIR
 from zerotrain.checkpoint.saver import publish_latest
 from zerotrain.comm.distributed import device_for, init_distributed
+from zerotrain.comm.fault_points import fault_point
 from zerotrain.profiling.device_peaks import peak_tflops
 from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing
 from zerotrain.runtime.chunked_loss import enable_chunked_loss
@@ -36,14 +35,14 @@ from zerotrain.train.model import build_model, decay_groups, max_positions
 from zerotrain.train.progress import TrainingProgress
 from zerotrain.train.run_control import StopSignal, mark_started
 from zerotrain.train.hang_watch import HangWatch
-from zerotrain.train.run_state import RunState
+from zerotrain.train.memory_options import describe_memory_options
+from zerotrain.train.run_state import RunState, plan_changes
 from zerotrain.train.run_folder import checkpoint_tag, clear_interrupted_saves, resolve_resume, run_tags_up_to
 from zerotrain.train.run_folder import tags_to_prune
 from zerotrain.train.step_prediction import comparison, read_prediction
+from zerotrain.train.step_window import StepWindow, as_float, describe_step
 
 log = logging.getLogger("zerotrain")
-# Tests simulate a crash (every rank SIGKILLed right after this step) to check resumption.
-CRASH_ENV = "ZEROTRAIN_TEST_CRASH_AFTER_STEP"
 CHECKPOINTS = "checkpoints"
 HF_DIR = "hf"
 
@@ -71,11 +70,13 @@ class Trainer:
         zero = cfg.zero_dict()
         zero_stage = int((zero.get("zero_optimization") or {}).get("stage", 0))
         self.model = build_model(cfg.model, self.tokenizer, zero_init=zero if zero_stage == 3 else None)
-        enable_gradient_checkpointing(self.model, wants_gradient_checkpointing(cfg))
+        self.checkpointing = wants_gradient_checkpointing(cfg)
+        enable_gradient_checkpointing(self.model, self.checkpointing)
         if cfg.training.loss_chunk_tokens:
             enable_chunked_loss(self.model, cfg.training.loss_chunk_tokens)
         self.data = build_data(
-            cfg.data, self.tokenizer, max_positions=max_positions(self.model), rank=self.rank, world_size=self.world
+            cfg.data, self.tokenizer, max_positions=max_positions(self.model), rank=self.rank, world_size=self.world,
+            evaluate=cfg.training.eval_interval > 0,
         )
         t = cfg.training
         self.batches = self.data.train_batches(t.micro_batch_size, seed=cfg.data.seed)
@@ -132,7 +133,7 @@ class Trainer:
         engine.train()
         start = time.perf_counter()
         first_step = self.first_step = self.state.step
-        window = _Window(self.state.step, start)
+        window = StepWindow(self.state.step, start)
         last_loss = math.nan
         last_eval: dict = self.metrics.earlier_eval()  # a resumed run that stops before its first evaluation
         stopped = False
@@ -142,6 +143,8 @@ class Trainer:
         params = sum(getattr(p, "ds_numel", p.numel()) for p in unique)  # whole sizes at ZeRO-3
         progress.note(f"model: {type(self.engine.module).__name__}, {params:,} parameters; {self.world} ranks, "
                       f"{self.tokens_per_step:,} tokens per step, {self.total_steps} steps")
+        progress.note(describe_memory_options(self.checkpointing, t.loss_chunk_tokens,
+                                              self.engine.parsed_config.zero_optimization))
         self.hang = HangWatch(t.hang_timeout, self.rank, self.world)
         if self.hang.enabled:
             progress.note(f"hang timeout: {t.hang_timeout:g} s without progress stops the job and names the ranks "
@@ -161,7 +164,7 @@ class Trainer:
                 if step % self.cfg.logging.interval == 0 or step == self.total_steps:
                     tokens_per_s = window.tokens_per_s(self.tokens_per_step)
                     last_loss = self._log_train(window, start, progress)
-                    window = _Window(step, time.perf_counter())
+                    window = StepWindow(step, time.perf_counter())
                 if t.eval_interval and (step % t.eval_interval == 0 or step == self.total_steps):
                     last_eval = self._evaluate(start) or last_eval
                     if last_eval:
@@ -171,8 +174,7 @@ class Trainer:
                     self._save(start)
                 if stopped:
                     break
-                if os.environ.get(CRASH_ENV) == str(step):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                fault_point("after_step", number=step)  # ZEROTRAIN_FAULT=after_step:all:N: a crash test
                 progress.advance(step, last_loss, self._lr(), tokens_per_s)
         if not stopped and self.cfg.output.save_final and self.last_save_step != self.state.step:
             self._save(start)
@@ -229,7 +231,7 @@ class Trainer:
             total += loss.detach().float()
         return total / engine.gradient_accumulation_steps()
 
-    def _log_train(self, window: "_Window", start: float, progress: "TrainingProgress") -> float:
+    def _log_train(self, window: "StepWindow", start: float, progress: "TrainingProgress") -> float:
         loss = window.mean_loss(self.world)  # a collective: every rank
         memory = gather_memory(self.device, self.engine)
         seconds = max(time.perf_counter() - window.started, 1e-9)
@@ -242,7 +244,7 @@ class Trainer:
             "epoch": round(self.batches.epoch + self.batches.batch_in_epoch / len(self.batches), 4),
             "loss": loss,
             "lr": self._lr(),
-            "grad_norm": _num(self.engine.get_global_grad_norm()),
+            "grad_norm": as_float(self.engine.get_global_grad_norm()),
             "loss_scale": scaler.loss_scale if scaler is not None else math.nan,
             "skipped_steps": self.engine.skipped_steps,
             "samples_per_s": steps * self.engine.train_batch_size() / seconds,
@@ -257,7 +259,7 @@ class Trainer:
         for r, rank_memory in enumerate(memory):
             row.update(rank_memory.columns(r))
         self.metrics.log_train(row)
-        progress.note(_describe(row, describe_memory(memory, self.device.type), fp16=scaler is not None))
+        progress.note(describe_step(row, describe_memory(memory, self.device.type), fp16=scaler is not None))
         return loss
 
     # --- evaluation ------------------------------------------------------------------------
@@ -341,7 +343,7 @@ class Trainer:
         if self.rank == 0:
             why = "" if point.tag is None else " (newer than `latest`: its save was cut before moving it)"
             print(f"resumed from {path} at step {self.state.step}{why}", flush=True)
-            for change in _plan_changes(saved, self._plan()):
+            for change in plan_changes(saved, self._plan()):
                 log.warning("resumed with a different %s", change)
 
     def _stop_requested(self) -> bool:
@@ -363,53 +365,3 @@ class Trainer:
 
     def _lr(self) -> float:
         return float(self.engine.get_lr()[0])
-
-
-class _Window:
-    """Losses of the steps since the last metrics line."""
-
-    def __init__(self, first_step: int, started: float) -> None:
-        self.first_step, self.started = first_step, started
-        self.losses: list[torch.Tensor] = []
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.losses.append(loss)
-
-    def mean_loss(self, world: int) -> float:
-        mean = torch.stack(self.losses).mean() if self.losses else torch.zeros(())
-        if world > 1:
-            dist.all_reduce(mean)
-            mean = mean / world
-        return float(mean)
-
-    def tokens_per_s(self, tokens_per_step: int) -> float:
-        seconds = time.perf_counter() - self.started
-        return len(self.losses) * tokens_per_step / seconds if seconds > 0 else math.nan
-
-
-def _plan_changes(saved: dict, now: dict) -> list[str]:
-    """What differs between the checkpoint's plan and this run's, as "what: old → new"."""
-    changes = []
-    labels = {"global_batch": "global batch (samples per step)", "total_steps": "total steps",
-              "schedule": "learning-rate schedule"}
-    for key, label in labels.items():
-        old = saved.get(key)
-        if old not in (None, 0, {}) and old != now[key]:
-            changes.append(f"{label}: {old} → {now[key]}")
-    return changes
-
-
-def _num(value: Any) -> float:
-    return float(value) if value is not None else math.nan
-
-
-def _describe(row: dict, memory: str, fp16: bool) -> str:
-    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3g}",
-             f"grad norm {row['grad_norm']:.3g}", f"{row['tokens_per_s']:,.0f} tok/s total",
-             f"{row['samples_per_s']:.1f} samples/s total"]
-    if fp16:
-        parts.append(f"scale {row['loss_scale']:g} skipped {row['skipped_steps']}")
-    if not math.isnan(row["tflops"]):
-        parts.append(f"{row['tflops']:.2f} TFLOP/s per rank" + (f" MFU {row['mfu']:.1%}" if not math.isnan(row["mfu"]) else ""))
-    parts.append(f"mem {memory}")
-    return " | ".join(parts)

@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", default="never", help='"auto", "never" or a checkpoint directory')
     args = parser.parse_args(argv)
 
-    from zerotrain.train.command import run_in_this_process
+    from zerotrain.train.rank_run import run_in_this_process
     from zerotrain.train.config_files import load_train_config
 
     return run_in_this_process(load_train_config(args.config), args.resume)

@@ -32,7 +32,8 @@ import torch
 from zerotrain.config.auto import resolve_config
 from zerotrain.config.errors import AUTO, ConfigError
 from zerotrain.config.schema import ZeroTrainConfig
-from zerotrain.train.config import TrainConfig, TrainingSection, validate_zero_section
+from zerotrain.train.config import TrainConfig, TrainingSection
+from zerotrain.train.zero_section import validate_zero_section
 from zerotrain.train.zero_links import (
     SCHEDULE_TYPES, adopt_deepspeed_values, mismatch_error, precision_switches, steps_mismatches, world_mismatches,
 )

@@ -77,15 +77,21 @@ def split_documents(num_documents: int, fraction: float, seed: int) -> tuple[np.
 
 
 def build_data(data_cfg: Any, tokenizer: Any, *, max_positions: int | None = None, rank: int = 0,
-               world_size: int = 1) -> TrainData:
-    """Reads, tokenizes (through the cache), splits and packs the data of ``data_cfg``."""
+               world_size: int = 1, evaluate: bool = True) -> TrainData:
+    """Reads, tokenizes (through the cache), splits and packs the data of ``data_cfg``.
+
+    DataError when a split packs into fewer sequences than ``world_size`` ranks. ``evaluate`` False
+    (training.eval_interval 0): no evaluation split is built or checked (``eval_path`` is not read);
+    an ``eval_fraction`` is still held out, so the training data is the same whether a run evaluates
+    or not (a resume that switches evaluation on keeps its place in the data).
+    """
     seq_len = int(_option(data_cfg, "seq_len", 256))
     if max_positions is not None and seq_len > max_positions:
         raise DataError(
             f"data.seq_len is {seq_len} but the model has only {max_positions} positions "
             f"(max_position_embeddings). Set data.seq_len to {max_positions} or less."
         )
-    check_data_sources(data_cfg)
+    check_data_sources(data_cfg, evaluate=evaluate)
     fmt = check_format(_option(data_cfg, "format", "auto"))
     path = _option(data_cfg, "path", None)
     seed = int(_option(data_cfg, "seed", 0))
@@ -112,23 +118,26 @@ def build_data(data_cfg: Any, tokenizer: Any, *, max_positions: int | None = Non
     _, eos = special_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     eval_examples = None
+    evaluation: PackedDataset | None = None
     if eval_path is not None:
-        eval_fmt = "auto" if fmt == "synthetic" else fmt
-        eval_corpus = _file_corpus(eval_path, eval_fmt, fields, "data.eval_path", common)
         train = PackedDataset(corpus, seq_len, pad)
-        evaluation: PackedDataset | None = PackedDataset(eval_corpus, seq_len, pad)
+        if evaluate:
+            eval_fmt = "auto" if fmt == "synthetic" else fmt
+            evaluation = PackedDataset(_file_corpus(eval_path, eval_fmt, fields, "data.eval_path", common), seq_len, pad)
     elif fraction > 0:
         train_docs, eval_docs = split_documents(corpus.num_documents, fraction, seed)
         train = PackedDataset(corpus, seq_len, pad, train_docs)
-        evaluation = PackedDataset(corpus, seq_len, pad, eval_docs)
+        if evaluate:
+            evaluation = PackedDataset(corpus, seq_len, pad, eval_docs)
         if examples is not None:  # synthetic documents are never empty: document i is example i
             eval_examples = [examples[i] for i in eval_docs]
     else:
-        train, evaluation = PackedDataset(corpus, seq_len, pad), None
+        train = PackedDataset(corpus, seq_len, pad)
 
     _check_enough(train, "training", world_size, "data.path")
     if evaluation is not None:
-        _check_enough(evaluation, "eval", world_size, "data.eval_path or data.eval_fraction")
+        _check_enough(evaluation, "eval", world_size, "data.eval_path or data.eval_fraction",
+                      " Or set training.eval_interval: 0 to train without evaluating.")
     summary = {
         "source": source_desc,
         "train_sequences": len(train),
@@ -142,10 +151,11 @@ def build_data(data_cfg: Any, tokenizer: Any, *, max_positions: int | None = Non
                      world_size=world_size, eval_examples=eval_examples, summary=summary)
 
 
-def check_data_sources(data_cfg: Any, records: int = 3) -> None:
+def check_data_sources(data_cfg: Any, records: int = 3, *, evaluate: bool = True) -> None:
     """DataError for what can be checked of the data before any rank starts: the format and path
     agree, every file exists, and the first `records` records of the first file read as
-    configured (fields, JSON, UTF-8). `zerotrain train` runs it in the launching process."""
+    configured (fields, JSON, UTF-8); ``data.eval_path`` too unless ``evaluate`` is False (a run
+    that never evaluates never reads it). `zerotrain train` runs it in the launching process."""
     fmt = check_format(_option(data_cfg, "format", "auto"))
     path = _option(data_cfg, "path", None)
     if fmt == "synthetic" or path is None:
@@ -157,7 +167,7 @@ def check_data_sources(data_cfg: Any, records: int = 3) -> None:
                 "to auto (or text/jsonl/parquet/arrow) to train on the file, or remove data.path"
             )
     fields = Fields.from_config(data_cfg)
-    eval_path = _option(data_cfg, "eval_path", None)
+    eval_path = _option(data_cfg, "eval_path", None) if evaluate else None
     for key, where, how in (("data.path", path, fmt), ("data.eval_path", eval_path, "auto" if fmt == "synthetic" else fmt)):
         if where is None or how == "synthetic":
             continue
@@ -179,11 +189,11 @@ def _file_corpus(path: Any, fmt: str, fields: Fields, key: str, common: dict[str
                          label=str(path), **common)
 
 
-def _check_enough(dataset: PackedDataset, what: str, world_size: int, key: str) -> None:
+def _check_enough(dataset: PackedDataset, what: str, world_size: int, key: str, other_fix: str = "") -> None:
     """Every rank needs at least one sequence; say so clearly instead of failing in the loop."""
     if len(dataset) < world_size:
         raise DataError(
             f"the {what} data packs into {len(dataset)} sequence(s) of data.seq_len={dataset.seq_len} tokens "
             f"({dataset.num_tokens} tokens), fewer than the {world_size} rank(s). Add data ({key}) or lower "
-            "data.seq_len."
+            f"data.seq_len.{other_fix}"
         )

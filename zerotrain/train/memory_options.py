@@ -1,0 +1,32 @@
+"""The memory options a `zerotrain train` run trains with, as one of its opening lines.
+
+Activation checkpointing, the chunked loss and offload change what a step keeps in memory (and
+costs in time); they are set in three places (two `training` keys and the DeepSpeed section), so
+the run says at its start which are on rather than leaving it to config.yaml.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHECKPOINTING_MODES = {False: "none", True: "full", "selective": "selective"}
+
+
+def describe_memory_options(checkpointing: bool | str, loss_chunk_tokens: int | None, zero_optimization: Any) -> str:
+    """One line naming activation checkpointing's mode (none / full / selective), the chunked loss's
+    chunk (or off) and where optimizer state and parameters are offloaded (none / cpu / nvme), each
+    with the key that sets it. `zero_optimization`: the engine's parsed zero_optimization section."""
+    mode = CHECKPOINTING_MODES.get(checkpointing, str(checkpointing))
+    chunk = f"{loss_chunk_tokens:,} tokens per chunk" if loss_chunk_tokens else "off"
+    optimizer = _offload_device(getattr(zero_optimization, "offload_optimizer", None))
+    params = _offload_device(getattr(zero_optimization, "offload_param", None))
+    if params != "none" and getattr(zero_optimization, "stage", 3) != 3:
+        params += " (no effect below ZeRO stage 3)"
+    return (f"memory options: activation checkpointing {mode} (training.gradient_checkpointing); "
+            f"chunked loss {chunk} (training.loss_chunk_tokens); "
+            f"offload optimizer {optimizer}, parameters {params} (zero.zero_optimization.offload_optimizer, "
+            "offload_param)")
+
+
+def _offload_device(section: Any) -> str:
+    return str(getattr(section, "device", None) or "none")
