@@ -1,19 +1,22 @@
 """zerotrain: ZeRO distributed training for PyTorch, DeepSpeed-compatible."""
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from zerotrain.compat.initialize import add_config_arguments, initialize
-from zerotrain.compat.comm import init_distributed  # DeepSpeed's signature (dist_backend=, timeout=, ...)
+from zerotrain.config.lazy_exports import export_lazily
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time each name is imported on first use
+    from zerotrain import zero
+    from zerotrain.compat.comm import init_distributed
+    from zerotrain.compat.initialize import add_config_arguments, initialize
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    # `import zerotrain as deepspeed; deepspeed.zero.Init(...)` works as with DeepSpeed, while a
-    # plain `import zerotrain` stays light: the ZeRO machinery is imported on first use.
-    if name == "zero":
-        import importlib
-
-        return importlib.import_module("zerotrain.zero")
-    raise AttributeError(f"module 'zerotrain' has no attribute {name!r}")
+# `import zerotrain` stays light (no torch), so the `zerotrain` command starts in well under a
+# second; DeepSpeed's entry points are imported on first use: `zerotrain.initialize(...)`,
+# `from zerotrain import initialize`, `import zerotrain as deepspeed; deepspeed.zero.Init(...)`.
+export_lazily(__name__, {
+    "initialize": "zerotrain.compat.initialize",
+    "add_config_arguments": "zerotrain.compat.initialize",
+    "init_distributed": "zerotrain.compat.comm",  # DeepSpeed's signature (dist_backend=, timeout=, ...)
+}, submodules=["zero"])

@@ -91,16 +91,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         # `train` takes free-form --section.key VALUE overrides, which argparse cannot express.
-        from zerotrain.cli.train_prediction import predict_train_step
-        from zerotrain.train.command import main_train
+        from zerotrain.train.command import TRAIN_HELP, main_train
 
-        return main_train(argv[1:], predict=predict_train_step, rank_module="zerotrain.cli.train_rank")
+        if argv[1:] in (["-h"], ["--help"]):  # here: main_train imports the trainer (torch) before its help
+            print(TRAIN_HELP)
+            return 0
+        return main_train(argv[1:], predict=_predict_train_step, rank_module="zerotrain.cli.train_rank")
     parser = build_parser()
     if not argv:  # as git and cargo do: the commands, not an error
         parser.print_help()
         return 0
     args = parser.parse_args(argv)
     return int(args.handler(args))
+
+
+def _predict_train_step(cfg, world: int, per_node: int) -> dict | None:
+    """`train`'s step-time prediction, imported when a run asks for it: the planner imports torch,
+    which `zerotrain train --help` does not need."""
+    from zerotrain.cli.train_prediction import predict_train_step
+
+    return predict_train_step(cfg, world, per_node)
 
 
 def _stdout_closed() -> bool:

@@ -9,14 +9,16 @@ defaults.  A value none of these can supply is an error naming its key.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import torch
 from pydantic import ValidationError
 
 from zerotrain.config.errors import AUTO, ConfigError, describe_validation_error, format_problems, render_value
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.unsupported import check_supported
+
+if TYPE_CHECKING:  # a model comes with torch loaded; without one (`zerotrain config check`) torch is not needed
+    import torch
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -184,10 +186,15 @@ class _AutoFiller:
     def _precision(self, data: dict[str, Any]) -> None:
         fp16, bf16 = data["fp16"]["enabled"], data["bf16"]["enabled"]
         dtype = _floating_dtype(self.model)
+        model_fp16 = model_bf16 = False
+        if dtype is not None:
+            import torch  # already loaded: the model is a torch module
+
+            model_fp16, model_bf16 = dtype == torch.float16, dtype == torch.bfloat16
         if fp16 == AUTO:
-            fp16 = self.auto_values.get("fp16.enabled", dtype == torch.float16 and bf16 is not True)
+            fp16 = self.auto_values.get("fp16.enabled", model_fp16 and bf16 is not True)
         if bf16 == AUTO:
-            bf16 = self.auto_values.get("bf16.enabled", dtype == torch.bfloat16 and fp16 is not True)
+            bf16 = self.auto_values.get("bf16.enabled", model_bf16 and fp16 is not True)
         data["fp16"]["enabled"], data["bf16"]["enabled"] = fp16, bf16
 
     def _zero_buffers(self, zero: dict[str, Any]) -> None:

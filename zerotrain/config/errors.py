@@ -13,10 +13,11 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
-from pydantic import BaseModel, ValidationError
-from pydantic.fields import FieldInfo
+if TYPE_CHECKING:  # pydantic is imported where a model is inspected: every command imports this module
+    from pydantic import BaseModel, ValidationError
+    from pydantic.fields import FieldInfo
 
 # Error type of the messages our own validators raise (PydanticCustomError):
 # their text is already meant for a human and is passed through unchanged.
@@ -159,6 +160,8 @@ def _is_union(annotation: Any) -> bool:
 
 
 def _model_inside(annotation: Any) -> type[BaseModel] | None:
+    from pydantic import BaseModel
+
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) in (Union, types.UnionType):
@@ -170,6 +173,8 @@ def _model_inside(annotation: Any) -> type[BaseModel] | None:
 
 def describe_type(annotation: Any, metadata: list[Any] | None = None) -> str | None:
     """Say in words which values a field accepts ("a positive integer or \"auto\"")."""
+    from pydantic import BaseModel
+
     metadata = list(metadata or [])
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:

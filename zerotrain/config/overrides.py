@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from zerotrain.config.errors import ConfigError
-from zerotrain.config.loader import _parse_yaml
 
 
 def override_value(text: str, origin: str) -> Any:
     """`text` as a config file's YAML would read it; the text itself when it is not valid YAML."""
+    from zerotrain.config.loader import _parse_yaml  # here: loader builds the schema, which --help does not need
+
     try:
         return _parse_yaml(text, origin)
     except ConfigError:

@@ -8,9 +8,8 @@ sections live in ``feature_schema``.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-import torch
 from pydantic import Field, field_validator, model_validator
 
 from zerotrain.config.feature_schema import (
@@ -34,6 +33,9 @@ from zerotrain.config.schema_types import (
     config_problem,
 )
 from zerotrain.config.zero_schema import ZeroConfig
+
+if TYPE_CHECKING:  # torch is imported where a dtype is asked for: `zerotrain config check` stays light
+    import torch
 
 # DeepSpeed top-level keys zerotrain does not model field by field.  They are
 # accepted so that copied DeepSpeed files load, kept in
@@ -65,7 +67,7 @@ DEEPSPEED_KEYS_NOT_MODELED = frozenset({
     "weight_quantization",
 })
 
-_COMMUNICATION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_TORCH_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 class FP16Config(ConfigSection):
@@ -243,6 +245,8 @@ class ZeroTrainConfig(ConfigSection):
     @property
     def compute_dtype(self) -> torch.dtype:
         """Dtype of forward/backward: fp16, bf16 or fp32 (meaningful after resolve_config)."""
+        import torch
+
         if self.fp16.enabled is True:
             return torch.float16
         if self.bf16.enabled is True:
@@ -257,6 +261,8 @@ class ZeroTrainConfig(ConfigSection):
     @property
     def communication_dtype(self) -> torch.dtype | None:
         """``communication_data_type`` as a torch dtype, or None when unset."""
+        import torch
+
         if self.communication_data_type is None:
             return None
-        return _COMMUNICATION_DTYPES[self.communication_data_type]
+        return getattr(torch, _TORCH_DTYPE_NAMES[self.communication_data_type])
