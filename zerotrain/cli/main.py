@@ -91,11 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         # `train` takes free-form --section.key VALUE overrides, which argparse cannot express.
-        from zerotrain.train.command import TRAIN_HELP, main_train
+        from zerotrain.train.command import main_train
 
-        if argv[1:] in (["-h"], ["--help"]):  # here: main_train imports the trainer (torch) before its help
-            print(TRAIN_HELP)
-            return 0
         return main_train(argv[1:], predict=_predict_train_step, rank_module="zerotrain.cli.train_rank")
     parser = build_parser()
     if not argv:  # as git and cargo do: the commands, not an error

@@ -124,25 +124,25 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
     command layer names one that makes rank 0 predict first."""
     from zerotrain.config.errors import ConfigError
     from zerotrain.config.error_report import print_user_error
-    from zerotrain.train.config_files import load_train_config
-    from zerotrain.train.metrics import check_sink_packages
-    from zerotrain.train.data.build import check_data_sources
-    from zerotrain.train.data_check import check_data_fits
-    from zerotrain.runtime.chunked_loss import check_chunked_loss
-    from zerotrain.train.model import check_model_config, model_type_of
-    from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
-    from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
-    from zerotrain.train.run_folder import discard_unstarted_run, first_missing_folder
-    from zerotrain.train.run_folder import require_checkpoint_to_resume
-    from zerotrain.train.rank_run import run_in_this_process
-    from zerotrain.train.step_prediction import write_prediction
-    from zerotrain.train.zero_fill import check_batch_at_world
-
     try:
         config, flags, overrides = split_train_argv(argv)
         if flags["help"]:
             print(TRAIN_HELP)
             return 0
+        # The rest imports torch and transformers: not for --help.
+        from zerotrain.train.config_files import load_train_config
+        from zerotrain.train.metrics import check_sink_packages
+        from zerotrain.train.data.build import check_data_sources
+        from zerotrain.train.data_check import check_data_fits
+        from zerotrain.runtime.chunked_loss import check_chunked_loss
+        from zerotrain.train.model import check_model_config, model_type_of
+        from zerotrain.train.run_control import RunControlError, clear_pid, write_pid
+        from zerotrain.train.run_folder import check_can_start, check_no_live_run, clear_previous_run, resolve_resume
+        from zerotrain.train.run_folder import discard_unstarted_run, first_missing_folder
+        from zerotrain.train.run_folder import require_checkpoint_to_resume
+        from zerotrain.train.rank_run import run_in_this_process
+        from zerotrain.train.step_prediction import write_prediction
+        from zerotrain.train.zero_fill import check_batch_at_world
         cfg = load_train_config(config, overrides)
         check_sink_packages(cfg.logging)  # a missing wandb/tensorboard fails now, before any process starts
         check_model_config(cfg.model)  # a misspelt architecture or config_overrides key, likewise
