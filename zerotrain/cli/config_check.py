@@ -55,6 +55,8 @@ def run_config_check(args: argparse.Namespace) -> int:
     try:
         if is_train_config(args.path):
             return _check_train_config(args, console)
+        if args.write_json:
+            return _write_plain_json(args.path, args.write_json)
         overrides = parse_overrides(args.overrides)
         cfg = resolve_config(load_config(args.path), world_size=args.world_size, model=None, auto_values=overrides)
     except (ConfigError, ValueError, OSError) as error:
@@ -75,6 +77,20 @@ def run_config_check(args: argparse.Namespace) -> int:
         return 0
     # soft_wrap: long strings must not be folded, so the output stays valid JSON.
     Console().print(JSON.from_data(resolved), soft_wrap=True)
+    return 0
+
+
+def _write_plain_json(path: str, out: str) -> int:
+    """--write-json: the config as plain JSON (comments dropped, "auto" kept) for json.load readers."""
+    import json
+
+    from zerotrain.config import load_config
+    from zerotrain.config.loader import read_config_file
+
+    data = read_config_file(Path(path))
+    load_config(path)  # a config zerotrain refuses is not worth copying
+    Path(out).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(f"{out}: {path} as plain JSON (no comments), which transformers and Accelerate read with json.load")
     return 0
 
 
@@ -194,4 +210,7 @@ def add_config_parser(subparsers: argparse._SubParsersAction) -> None:
         "VALUE is read as JSON when it parses (1e-3, true, [1,2]), else as a string. For a zerotrain train "
         "YAML, any key: the same as --section.key VALUE on zerotrain train. Repeatable.",
     )
+    check.add_argument("--write-json", "--write_json", dest="write_json", default=None, metavar="OUT",
+                       help="write a DeepSpeed config to OUT as plain JSON (comments dropped, \"auto\" kept), "
+                       "for transformers and Accelerate, which read it with json.load")
     check.set_defaults(handler=run_config_check)

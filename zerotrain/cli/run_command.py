@@ -7,6 +7,10 @@
 The command replaces this process (its exit status and signals are its own); it and every
 process it starts find the `deepspeed` stand-in first on PYTHONPATH and a `deepspeed`
 command (`zerotrain launch`) first on PATH. See zerotrain/compat/deepspeed_standin.py.
+
+Before that, what would fail on every rank stops here (a DeepSpeed JSON with comments given to
+the Trainer or to Accelerate, which `json.load` it), and what `accelerate launch` with DeepSpeed
+would drop without a word (a dynamo backend) is said in one warning.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import os
 import shutil
 
 from zerotrain.compat.deepspeed_standin import with_standin
-from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
+from zerotrain.config.error_report import USAGE_EXIT_CODE, error_console, print_user_error
+from zerotrain.config.errors import UserInputError
 
 
 def add_run_command_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +45,11 @@ def run_command(args: argparse.Namespace) -> int:
         print_user_error("zerotrain run", "no command given: e.g. `zerotrain run accelerate launch train.py`")
         return USAGE_EXIT_CODE
     env = with_standin(dict(os.environ))
+    try:
+        env = _checked_environment(words, env)
+    except UserInputError as error:
+        print_user_error("zerotrain run", error)
+        return USAGE_EXIT_CODE
     program = shutil.which(words[0], path=env["PATH"])
     if program is None:
         print_user_error("zerotrain run", f"command not found: {words[0]!r} (is it installed in this environment?)")
@@ -50,3 +60,32 @@ def run_command(args: argparse.Namespace) -> int:
         print_user_error("zerotrain run", f"cannot run {program}: {error.strerror}")
         return 126
     return 0  # not reached
+
+
+def _checked_environment(words: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The environment to run `words` in, once nothing in them would fail on every rank.
+
+    Raises UserInputError for a DeepSpeed config file the libraries cannot read; prints one warning
+    for dynamo settings an `accelerate launch` with DeepSpeed will not apply (compat/compile_settings.py).
+    """
+    from rich.markup import escape
+
+    from zerotrain.compat.accelerate_launch_args import accelerate_launch_words, read_accelerate_launch
+    from zerotrain.compat.compile_settings import ignored_compile_settings
+    from zerotrain.compat.json_only_configs import (
+        accelerate_config_arguments,
+        check_json_loadable,
+        trainer_config_arguments,
+    )
+
+    arguments = accelerate_launch_words(words)
+    if arguments is None:
+        check_json_loadable(trainer_config_arguments(words))
+        return env
+    launch = read_accelerate_launch(arguments, env)
+    check_json_loadable(accelerate_config_arguments(launch, env))
+    ignored = ignored_compile_settings(launch, env)
+    if ignored is None:
+        return env
+    error_console().print(f"[yellow]zerotrain run: warning: {escape(ignored.warning())}[/]")
+    return {key: value for key, value in env.items() if key not in ignored.drop_env}
