@@ -31,7 +31,7 @@ confirms the answer with one:
 | command | answers |
 | --- | --- |
 | `zerotrain estimate MODEL` | the memory of every rung, per GPU and per node (`--deepspeed-format`: DeepSpeed's tables) |
-| `zerotrain plan MODEL --gpus 8 --gpu-memory 80GB --global-batch 256` | the rung predicted fastest that fits, micro-batch and accumulation, each rung's predicted tokens/s and MFU, the minimum GPU count; `--scale 8,64,512` the same at other GPU counts; `--verify` runs 3 real steps |
+| `zerotrain plan MODEL --gpus 8 --gpu-memory 80GiB --global-batch 256` | the rung predicted fastest that fits, micro-batch and accumulation, each rung's predicted tokens/s and MFU, the minimum GPU count; `--scale 8,64,512` the same at other GPU counts; `--verify` runs 3 real steps |
 | `zerotrain init` | the config wizard: `accelerate config`'s questions, each answered with its estimate (below) |
 | `zerotrain tune TRAIN_YAML` | times the candidates that fit, in one job, and picks the fastest ([tuning.md](tuning.md)) |
 
@@ -41,6 +41,13 @@ weights are read and nothing is downloaded. The examples below use the configs o
 Llama 2 7B and Llama 3 70B, shipped with zerotrain: name them (`llama-3.2-1b`,
 `llama-2-7b`, `llama-3-70b`) from any folder; their config.json files are in
 `zerotrain/planning/model_presets/` (`examples/models/` in a checkout).
+
+For a train YAML the planners describe the job `zerotrain train` starts from it on this machine:
+unless flags say otherwise (`--gpus`, `--gpus-per-node`, `--dtype`, `--global-batch`), the GPU count
+is the processes train starts here (every GPU, else 2 CPU ranks), the dtype is `training.precision`
+as train resolves it (`auto`: bf16 on a bf16 GPU, fp32 on a CPU) and `plan`'s global batch is the
+YAML's micro-batch x accumulation x that count; one `assumed:` line says what was taken. `plan
+--scale 8,64,512` without `--gpus` makes its plan at the smallest count of the list.
 
 ## The ladder
 
@@ -78,25 +85,32 @@ A rung fits when the GPU total plus a reserve (5% of the GPU, at least 1 GiB: CU
 buffers, allocator fragmentation) is within `--gpu-memory`, and the CPU bytes of its node's
 processes plus a reserve (2 GiB for the OS, 4 GiB per process for its CUDA context and libraries;
 measured on an H100 machine: 1.8 GiB and 3.6 GiB) within `--cpu-memory` (`plan` without it: this
-machine's memory, said in its first line). NVMe bytes are what the shards take on disk. GB and
-GiB both mean 2^30 bytes, as devices report memory.
+machine's memory, said in its first line). NVMe bytes are what the shards take on disk.
+
+Sizes follow one rule in every command (`plan`, `estimate`, `init`, `tune`, `consolidate`; one
+parser, zerotrain/config/byte_sizes.py): GB and TB are powers of 10 (80GB = 80 x 10^9 bytes), as
+Hugging Face and DeepSpeed read `max_shard_size="5GB"`; GiB and TiB are powers of 2 (80GiB = 80 x
+2^30 bytes); a bare G or T is refused as ambiguous, and `--gpu-memory`/`--cpu-memory` need a unit.
+A GPU sold as "80 GB" holds about 80 GiB (an H100 reports 81559 MiB), so give `--gpu-memory 80GiB`
+for it: 80GB is 74.5 GiB, and the planners say so when given it. The GPU's speed is still named
+from its memory either way (80GiB or 80GB: h100).
 """
 
 EXAMPLES = [
-    ("A 1B model on one 24 GB GPU",
+    ("A 1B model on one 24 GiB GPU",
      "A single consumer or workstation GPU: does Llama 3.2 1B train at sequence length 2048?",
-     "plan llama-3.2-1b --gpus 1 --gpu-memory 24GB --cpu-memory 64GB --seq-len 2048 "
+     "plan llama-3.2-1b --gpus 1 --gpu-memory 24GiB --cpu-memory 64GiB --seq-len 2048 "
      "--global-batch 16"),
-    ("A 7B model on 8 x 80 GB",
-     "One node of eight 80 GB GPUs. First the memory of every rung, then the plan.",
-     "estimate llama-2-7b --gpus-per-node 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 "
+    ("A 7B model on 8 x 80 GiB",
+     "One node of eight 80 GiB GPUs. First the memory of every rung, then the plan.",
+     "estimate llama-2-7b --gpus-per-node 8 --gpu-memory 80GiB --cpu-memory 1TiB --seq-len 4096 "
      "--micro-batch 4"),
     (None, None,
-     "plan llama-2-7b --gpus 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 "
+     "plan llama-2-7b --gpus 8 --gpu-memory 80GiB --cpu-memory 1TiB --seq-len 4096 "
      "--global-batch 256"),
-    ("A 70B model on 4 nodes x 8 x 80 GB",
-     "Thirty-two GPUs, 1 TB of CPU memory per node.",
-     "plan llama-3-70b --gpus 32 --gpus-per-node 8 --gpu-memory 80GB --cpu-memory 1TB "
+    ("A 70B model on 4 nodes x 8 x 80 GiB",
+     "Thirty-two GPUs, 1 TiB of CPU memory per node.",
+     "plan llama-3-70b --gpus 32 --gpus-per-node 8 --gpu-memory 80GiB --cpu-memory 1TiB "
      "--seq-len 4096 --global-batch 512"),
     ("DeepSpeed's estimate, for comparison",
      "`--deepspeed-format` prints what DeepSpeed's `estimate_zero3_model_states_mem_needs_all_live` prints "
@@ -137,8 +151,8 @@ scratch unless `model.path` names a local directory with weights. Existing files
 `--force`.
 """
 
-INIT_COMMAND = ("init llama-2-7b --nodes 1 --gpus-per-node 8 --gpu-memory 80GB "
-                "--cpu-memory 1TB --seq-len 4096 --global-batch 256 --yes")
+INIT_COMMAND = ("init llama-2-7b --nodes 1 --gpus-per-node 8 --gpu-memory 80GiB "
+                "--cpu-memory 1TiB --seq-len 4096 --global-batch 256 --yes")
 
 SPEED = """\
 ## Step time: which rung is fastest
@@ -194,7 +208,7 @@ This page is generated: `python docs/generate_planning.py` rewrites it from the 
 """
 
 
-SCALE_COMMAND = ("plan llama-2-7b --gpus 8 --gpu-memory 80GB --cpu-memory 1TB --seq-len 4096 --global-batch 1024 "
+SCALE_COMMAND = ("plan llama-2-7b --gpus 8 --gpu-memory 80GiB --cpu-memory 1TiB --seq-len 4096 --global-batch 1024 "
                  "--gpu h100 --inter-node ib-ndr --scale 8,64,256,1024")
 
 

@@ -76,8 +76,10 @@ def test_bf16_output_is_the_master_rounded_once(tmp_path):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("10KB", 10_000), ("2GiB", 2 * 2**30), ("8Mb", 10**6), (123, 123),
-     ("77", 77)],
+    # As huggingface_hub's shard splitter (DeepSpeed's zero_to_fp32 calls it) reads max_shard_size: SI units
+    # decimal, a "b" in any case bytes; binary units written out (config/byte_sizes.py, the one rule).
+    [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("10KB", 10_000), ("2GiB", 2 * 2**30), ("8Mb", 8 * 10**6),
+     (123, 123), ("77", 77)],
 )
 def test_sizes_are_read_as_hugging_face_reads_them(text, expected):
     assert parse_size(text) == expected

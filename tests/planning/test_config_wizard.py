@@ -46,7 +46,7 @@ def _session(lines: list[str], gpus: LocalGpus = LocalGpus(), **flags) -> tuple[
 
 def test_defaults_are_the_plans_choice_and_each_stage_shows_its_estimate():
     # 1 GiB of the GPU is the reserve: 3 MiB are left, so the plan has to walk down the ladder
-    wizard, text = _session(["1", "2", "1027MB", "", "128", "16"])  # the rest: defaults
+    wizard, text = _session(["1", "2", "1027MiB", "", "128", "16"])  # the rest: defaults
     plan = make_plan(_meta(), Hardware(2, gpu_memory=1027 * 2**20), 128, 16, rates=_rates(1027 * 2**20, 2))
     assert plan.rejected and plan.choice is not None
     a = wizard.answers
@@ -59,7 +59,7 @@ def test_defaults_are_the_plans_choice_and_each_stage_shows_its_estimate():
 
 
 def test_the_recommendation_is_the_fastest_fitting_rung_as_zerotrain_plan_picks_it():
-    """On 8 GPUs of 24 GB a 1.1B Llama fits at stage 0 with one sample per GPU: the first rung of the ladder
+    """On 8 GPUs of 24 GiB a 1.1B Llama fits at stage 0 with one sample per GPU: the first rung of the ladder
     that fits. Stage 1 fits two samples and the step-time model predicts it faster: `zerotrain plan` takes
     it, and so must the wizard's defaults."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -72,7 +72,7 @@ def test_the_recommendation_is_the_fastest_fitting_rung_as_zerotrain_plan_picks_
     first_fit = make_plan(model, hardware, 2048, 64).choice
     fastest = make_plan(model, hardware, 2048, 64, rates=_rates(24 * 2**30, 8)).choice
     assert (first_fit.rung.stage, first_fit.micro_batch) == (0, 1) and (fastest.rung.stage, fastest.micro_batch) == (1, 2)
-    wizard = Wizard({"num_machines": "1", "gpus_per_machine": "8", "gpu_memory": "24GB", "seq_len": "2048",
+    wizard = Wizard({"num_machines": "1", "gpus_per_machine": "8", "gpu_memory": "24GiB", "seq_len": "2048",
                      "global_batch": "64", "mixed_precision": "bf16"}, inp=io.StringIO(""), out=io.StringIO(),
                     assume_defaults=True)
     run_questions(wizard, model, "llama")
@@ -80,7 +80,7 @@ def test_the_recommendation_is_the_fastest_fitting_rung_as_zerotrain_plan_picks_
 
 
 def test_a_wrong_answer_is_asked_again_with_its_reason():
-    wizard, text = _session(["1", "two", "2", "80GB", "", "128", "15", "16", "", "7", "2"])
+    wizard, text = _session(["1", "two", "2", "80GiB", "", "128", "15", "16", "", "7", "2"])
     assert "  'two': not a whole number; accepted answers: a whole number, 1 or more" in text
     assert "'15': not a multiple of the 2 GPUs; accepted answers: a multiple of 2 (the GPUs)" in text
     assert "'7': not one of the choices; accepted answers: one of 0, 1, 2, 3" in text
@@ -90,14 +90,14 @@ def test_a_wrong_answer_is_asked_again_with_its_reason():
 def test_a_wrong_flag_stops_with_its_reason():
     expected = "--zero-stage '5': not one of the choices; accepted answers: one of 0, 1, 2, 3"
     with pytest.raises(WizardError, match=expected):
-        _session([], zero_stage="5", gpu_memory="80GB")
+        _session([], zero_stage="5", gpu_memory="80GiB")
 
 
 @pytest.mark.slow
 def test_flags_answer_without_input_and_a_config_that_does_not_fit_is_warned(zerotrain_cli):
-    flags = ["--num-machines", "1", "--gpus-per-machine", "2", "--gpu-memory", "1GB", "--seq-len", "64",
+    flags = ["--num-machines", "1", "--gpus-per-machine", "2", "--gpu-memory", "1GiB", "--seq-len", "64",
              "--global-batch", "4", "--zero-stage", "0", "--yes"]
-    done = zerotrain_cli("init", "llama", *OVERRIDES, *flags)  # 1 GB: the 1 GiB reserve leaves nothing
+    done = zerotrain_cli("init", "llama", *OVERRIDES, *flags)  # 1 GiB: the 1 GiB reserve leaves nothing
     assert done.returncode == 1, done.stderr
     assert "does not fit: GPU needs" in done.stdout and "Nothing written." in done.stdout
     assert not (zerotrain_cli.cwd / "ds_config.json").exists()
@@ -110,7 +110,7 @@ def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrai
     from zerotrain.config import load_config, resolve_config
     from zerotrain.train.config_files import load_train_config
 
-    answers = "1\n2\n2GB\n\n128\n16\nbf16\n3\ncpu\nnone\nyes\n\n2\n0.5\n"
+    answers = "1\n2\n2GiB\n\n128\n16\nbf16\n3\ncpu\nnone\nyes\n\n2\n0.5\n"
     done = zerotrain_cli("init", "llama", *OVERRIDES, "--accelerate-config", "acc.yaml", input=answers, check=True)
     assert "Offload the optimizer (none/cpu/nvme)" in done.stdout
     assert "stage 3, optimizer offload none or cpu:" in done.stdout
@@ -125,15 +125,15 @@ def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrai
     assert train.model.config_overrides["hidden_size"] == 64
     acc = ClusterConfig.from_yaml_file(str(cwd / "acc.yaml"))
     assert acc.num_processes == 2 and acc.deepspeed_config["zero3_init_flag"] is True
-    again = zerotrain_cli("init", "llama", *OVERRIDES, "--gpu-memory", "2GB", "--yes")
+    again = zerotrain_cli("init", "llama", *OVERRIDES, "--gpu-memory", "2GiB", "--yes")
     assert again.returncode == 2 and "ds_config.json exists; pass --force" in again.stderr
-    assert zerotrain_cli("init", "llama", *OVERRIDES, "--gpu-memory", "2GB", "--yes", "--force").returncode == 0
+    assert zerotrain_cli("init", "llama", *OVERRIDES, "--gpu-memory", "2GiB", "--yes", "--force").returncode == 0
     assert yaml.safe_load((cwd / "zerotrain.yaml").read_text())["zero"]["zero_optimization"]["stage"] in (0, 1, 2, 3)
 
 
 def test_memory_shown_in_questions_uses_the_plan_units():
-    wizard, text = _session(["1", "1", "80GB"])
-    assert "Memory of one GPU: 80GB" in text
+    wizard, text = _session(["1", "1", "80GiB"])
+    assert "Memory of one GPU: 80GiB" in text
     assert wizard.answers["gpu_memory"] == 80 * GIB
 
 
@@ -148,7 +148,7 @@ def test_the_gpus_default_to_this_machines():
 
 
 def test_without_a_gpu_the_memory_question_must_be_answered():
-    wizard, text = _session(["1", "1", "", "24GB"])
+    wizard, text = _session(["1", "1", "", "24GiB"])
     assert "Memory of one GPU: \n  an answer is needed (no default); accepted answers: a memory size" in text
     assert wizard.answers["gpu_memory"] == 24 * GIB
     with pytest.raises(WizardError, match="Memory of one GPU: this question has no default; pass --gpu-memory"):

@@ -85,11 +85,11 @@ def after(screen: str, prompt_line: str) -> str:
 
 
 def test_an_answer_typed_at_a_terminal_is_shown_once(folder):
-    code, screen = typed(folder, ["init", "llama", *OVERRIDES], ["1", "2", "2GB", "", "64", "8"])
+    code, screen = typed(folder, ["init", "llama", *OVERRIDES], ["1", "2", "2GiB", "", "64", "8"])
     assert code == 0, screen
     # The terminal echoes what was typed; the wizard printing it again showed "2" on a line of its own.
     assert after(screen, "How many GPUs per machine? [1]: 2").startswith("  no GPU on this machine")
-    assert after(screen, "Memory of one GPU: 2GB") == "CPU memory of one machine (0: do not check) [none]: "
+    assert after(screen, "Memory of one GPU: 2GiB") == "CPU memory of one machine (0: do not check) [none]: "
     # Enter took the default without printing it on a line of its own
     assert after(screen, "CPU memory of one machine (0: do not check) [none]: ").startswith("Sequence length")
     assert "Traceback" not in screen and (folder / "zerotrain.yaml").is_file()
@@ -100,8 +100,8 @@ WRONG_THEN_RIGHT = [
      "not a model type transformers knows", "a local Hugging Face model directory or its config.json"),
     ("How many machines? [1]: ", "This machine", "1", "not a whole number", "a whole number, 1 or more"),
     ("How many GPUs per machine? [1]: ", "multi-GPU", "2", "not a whole number", "a whole number, 1 or more"),
-    ("Memory of one GPU: ", "80", "2GB", "no unit (did you mean 80GB?)", "a memory size with its unit"),
-    ("CPU memory of one machine (0: do not check) [none]: ", "lots", "", "not a memory size", "0 or none"),
+    ("Memory of one GPU: ", "80", "2GiB", "no unit; write 80GiB", "a memory size with its unit"),
+    ("CPU memory of one machine (0: do not check) [none]: ", "lots", "", "not a size", "0 or none"),
     ("Sequence length (tokens per sample) [256]: ", "long", "64", "not a whole number", "a whole number"),
     ("Global batch (samples per optimizer step, all GPUs) [16]: ", "7", "8", "not a multiple of the 2 GPUs",
      "a multiple of 2 (the GPUs), e.g. 2, 4, 8, 16"),
@@ -134,12 +134,12 @@ def test_an_unexpected_answer_is_asked_again_with_the_answers_it_accepts(folder)
 
 
 def test_without_a_gpu_the_gpu_memory_has_no_default_and_must_be_answered(folder):
-    done = piped(folder, ["init", "llama", *OVERRIDES], "1\n1\n\n2GB\n")
+    done = piped(folder, ["init", "llama", *OVERRIDES], "1\n1\n\n2GiB\n")
     assert done.returncode == 0, done.stderr
     assert "no GPU on this machine: give the memory of one GPU of the machines you will train on" in done.stdout
     assert "[80.0GiB]" not in done.stdout
     assert "Memory of one GPU: \n  an answer is needed (no default); accepted answers: a memory size" in done.stdout
-    assert "Memory of one GPU: 2GB\n" in done.stdout
+    assert "Memory of one GPU: 2GiB\n" in done.stdout
     # --yes, or input that ends before the answer: it stops, saying which flag answers it
     for n, (extra, answers) in enumerate(((["--yes"], ""), ([], "1\n1\n"))):
         (folder / str(n)).mkdir()
@@ -155,7 +155,7 @@ TERMS = ("parameters", "gradients", "master + optimizer", "gradient buckets", "g
 
 def test_the_memory_table_has_a_line_per_term_and_says_why_stages_2_and_3_need_more(folder):
     # The issue's case: a 1B model at micro-batch 1, where stages 2-3 come out above stage 1
-    flags = ["--gpus-per-machine", "2", "--gpu-memory", "80GB", "--seq-len", "2048", "--global-batch", "2", "--yes"]
+    flags = ["--gpus-per-machine", "2", "--gpu-memory", "80GiB", "--seq-len", "2048", "--global-batch", "2", "--yes"]
     done = piped(folder, ["init", str(MODEL_1B), *flags])
     assert done.returncode == 0, done.stderr
     text = done.stdout
@@ -183,7 +183,7 @@ def _optimizer_of_train_yaml(path: Path):
 
 
 def test_both_files_hold_one_learning_rate(folder):
-    done = piped(folder, ["init", "llama", *OVERRIDES, "--gpu-memory", "2GB", "--seq-len", "64", "--yes"])
+    done = piped(folder, ["init", "llama", *OVERRIDES, "--gpu-memory", "2GiB", "--seq-len", "64", "--yes"])
     assert done.returncode == 0, done.stderr
     ds = json.loads((folder / "ds_config.json").read_text())
     params, schedule = _optimizer_of_train_yaml(folder / "zerotrain.yaml")  # what zerotrain train would run
@@ -197,7 +197,7 @@ def test_both_files_hold_one_learning_rate(folder):
 
 
 def test_the_train_yaml_validates_and_trains_as_written(folder, tmp_path):
-    flags = ["--gpu-memory", "2GB", "--seq-len", "64", "--global-batch", "4", "--mixed-precision", "no",
+    flags = ["--gpu-memory", "2GiB", "--seq-len", "64", "--global-batch", "4", "--mixed-precision", "no",
              "--max-steps", "2", "--yes"]
     done = piped(folder, ["init", "llama", *OVERRIDES, *flags])
     assert done.returncode == 0, done.stderr

@@ -12,10 +12,10 @@ from zerotrain.config.error_report import USAGE_EXIT_CODE, error_console, print_
 
 
 def _shard_size(text: str) -> int:
-    from zerotrain.checkpoint.consolidate import parse_size
+    from zerotrain.config.byte_sizes import parse_byte_size
 
     try:
-        return parse_size(text)
+        return parse_byte_size(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
 
@@ -41,7 +41,8 @@ def add_consolidate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     consolidate.add_argument(
         "--max-shard-size", "--max_shard_size", dest="max_shard_size", type=_shard_size, default="5GB",
-        metavar="SIZE", help="largest output file, e.g. 5GB, 500MB, 2GiB or bytes (default: %(default)s)",
+        metavar="SIZE", help="largest output file: bytes, or 5GB, 500MB (powers of 10, as Hugging Face reads "
+        "max_shard_size) or 2GiB, 512MiB (powers of 2) (default: %(default)s)",
     )
     consolidate.add_argument(
         "--hf", nargs="?", const="", default=None, metavar="MODEL_CONFIG_DIR",

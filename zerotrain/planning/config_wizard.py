@@ -20,7 +20,8 @@ from torch import nn
 
 from zerotrain.planning.ladder import Rung
 from zerotrain.planning.planner import make_plan
-from zerotrain.planning.rung_memory import Hardware, RungEstimate, Workload, estimate_rung, format_bytes, rung_config
+from zerotrain.config.byte_sizes import format_bytes
+from zerotrain.planning.rung_memory import Hardware, RungEstimate, Workload, estimate_rung, rung_config
 from zerotrain.planning.speed_args import rates_from_args
 from zerotrain.planning.wizard_questions import (  # noqa: F401 - Wizard, WizardError, Answers are this module's API
     CHECKPOINTING, CPU_MEMORY, FOLDER, GPU_MEMORY, LEARNING_RATE, NON_NEGATIVE, REQUIRED, YES_NO, Answers, Wizard, WizardError,

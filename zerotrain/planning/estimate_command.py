@@ -29,8 +29,9 @@ def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
         "downloaded.",
     )
     pa.add_model_args(parser)
-    add_shared_flag(parser, GPUS_PER_NODE, dest="gpus_per_node", type=pa.positive_int, default=1, metavar="N",
-                        help="GPUs per node (default 1)")
+    add_shared_flag(parser, GPUS_PER_NODE, dest="gpus_per_node", type=pa.positive_int, default=None, metavar="N",
+                        help="GPUs per node (default: for a train YAML, the processes `zerotrain train` starts "
+                        "here, every GPU or 2 CPU ranks; else 1)")
     add_shared_flag(parser, NODES, dest="nodes", type=pa.positive_int, default=1, metavar="N", help="nodes (default 1)")
     parser.add_argument("--micro-batch", type=pa.positive_int, default=None, metavar="B",
                         help="samples per GPU per forward (default: a train YAML's training.micro_batch_size, else 1)")
@@ -61,15 +62,20 @@ def run_estimate(args: argparse.Namespace) -> int:
     try:
         model = pa.load_model(args)
         base = pa.base_config(args)
+        ranks_from_train = args.gpus_per_node is None and pa.train_run(args) is not None
+        if args.gpus_per_node is None:
+            args.gpus_per_node = pa.train_run(args).processes if ranks_from_train else 1
         total, largest = count_parameters(model)
         if args.deepspeed_format:
             from zerotrain.planning.deepspeed_estimates import format_zero2_table, format_zero3_table
 
             hw = (args.gpus_per_node, args.nodes, args.additional_buffer_factor)
+            if ranks_from_train:  # DeepSpeed's tables take no dtype: only the ranks were assumed
+                print(pa.assumed_line(pa.train_run(args).describe(ranks=True, dtype=False)))
             print(format_zero2_table(total, *hw), end="")
             print(format_zero3_table(total, largest, *hw), end="")
             return 0
-        report = estimate_report(args, model, base, total, largest)
+        report = estimate_report(args, model, base, total, largest, ranks_from_train)
     except (ConfigError, DataError, ValueError) as error:
         print_user_error("zerotrain estimate", error)
         return USAGE_EXIT_CODE
@@ -77,8 +83,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def estimate_report(args: argparse.Namespace, model, base: dict | None, total: int, largest: int) -> dict[str, Any]:
-    """{"text": the native table, "json": every number} for the parsed flags."""
+def estimate_report(args: argparse.Namespace, model, base: dict | None, total: int, largest: int,
+                    ranks_from_train: bool = False) -> dict[str, Any]:
+    """{"text": the native table, "json": every number} for the parsed flags (`ranks_from_train`: the
+    GPU count is the processes `zerotrain train` would start here, said on the "assumed:" line)."""
     from zerotrain.planning import planning_args as pa
     from zerotrain.planning.deepspeed_estimates import zero2_options, zero3_options
     from zerotrain.planning.ladder import ladder
@@ -94,7 +102,11 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     rows = [estimate_rung(model, rung, workload, hardware, base)
             for rung in ladder(allow_nvme=True, checkpointing=args.gradient_checkpointing)]
     assumed = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))
-    text = describe_setup(args.model, total, hardware, workload, assumed) + "\n" + format_rung_table(rows, hardware, args.wide)
+    notes = [line for line in (pa.assumed_line(pa.assumed_from_train(args, base, ranks_from_train)),
+                               pa.decimal_gpu_memory_note(args.gpu_memory)) if line]
+    text = "".join(f"{line}\n" for line in notes)
+    text += describe_setup(args.model, total, hardware, workload, assumed) + "\n"
+    text += format_rung_table(rows, hardware, args.wide)
     hw = (args.gpus_per_node, args.nodes, args.additional_buffer_factor)
     data = {
         "model": {"source": args.model, "total_params": total, "largest_layer_params": largest},
@@ -102,6 +114,7 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
                      "cpu_memory": args.cpu_memory, "nvme": args.nvme},
         "workload": {"seq_len": workload.seq_len, "micro_batch": workload.micro_batch, "dtype": workload.dtype,
                      "attention": workload.attention},
+        "assumed": notes,
         "rungs": [row.as_dict() for row in rows],
         "deepspeed": {
             "additional_buffer_factor": args.additional_buffer_factor,

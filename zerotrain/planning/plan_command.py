@@ -1,4 +1,4 @@
-"""`zerotrain plan MODEL --gpus N --gpu-memory 80GB ...`: which ZeRO configuration to run, and why.
+"""`zerotrain plan MODEL --gpus N --gpu-memory 80GiB ...`: which ZeRO configuration to run, and why.
 
 Prints the recommendation in words (the fastest rung that fits, its micro-batch and
 accumulation), why each faster rung does not fit, the minimum GPU counts, then the config as
@@ -25,13 +25,15 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     pa.add_model_args(parser)
     parser.add_argument("--gpus", type=pa.positive_int, default=None, metavar="N",
-                        help="GPUs in all (or give --nodes: --nodes x --gpus-per-node)")
+                        help="GPUs in all (or give --nodes: --nodes x --gpus-per-node; default: for a train YAML "
+                        "the processes `zerotrain train` starts here, else the smallest --scale count)")
     add_shared_flag(parser, GPUS_PER_NODE, dest="gpus_per_node", type=pa.positive_int, default=None, metavar="N",
                         help="GPUs per node (default: --gpus up to 8)")
     add_shared_flag(parser, NODES, dest="nodes", type=pa.positive_int, default=None, metavar="N",
                         help="nodes (default: --gpus / --gpus-per-node)")
-    parser.add_argument("--global-batch", type=pa.positive_int, required=True, metavar="B",
-                        help="samples per optimizer step over all GPUs")
+    parser.add_argument("--global-batch", type=pa.positive_int, default=None, metavar="B",
+                        help="samples per optimizer step over all GPUs (default: a train YAML's micro-batch x "
+                        "accumulation x GPUs)")
     pa.add_workload_args(parser)
     pa.add_memory_args(parser)
     from zerotrain.planning.speed_args import add_speed_args
@@ -60,17 +62,48 @@ def _gpu_counts(text: str) -> list[int]:
     return sorted(set(counts))
 
 
-def _gpus_from_nodes(args: argparse.Namespace) -> None:
-    """Fills --gpus from --nodes x --gpus-per-node, or checks that the three agree."""
+def _resolve_gpu_count(args: argparse.Namespace) -> str | None:
+    """Fills --gpus from --nodes x --gpus-per-node, else from a train YAML (the processes `zerotrain train`
+    starts here) or the smallest --scale count, or checks that the three agree. Returns where an
+    unstated count came from: "train" or "scale" (None: the flags gave it)."""
+    from zerotrain.planning import planning_args as pa
+
     if args.gpus is None:
-        if args.nodes is None or args.gpus_per_node is None:
-            raise ValueError("say how many GPUs: --gpus N (in all), or --nodes N with --gpus-per-node N")
-        args.gpus = args.nodes * args.gpus_per_node
-    elif args.nodes is not None:
+        if args.nodes is not None and args.gpus_per_node is not None:
+            args.gpus = args.nodes * args.gpus_per_node
+            return None
+        if args.nodes is None and args.gpus_per_node is None:
+            run = pa.train_run(args)
+            if run is not None:
+                args.gpus = args.gpus_per_node = run.processes
+                return "train"
+            if args.scale:
+                args.gpus = min(args.scale)
+                return "scale"
+        raise ValueError("say how many GPUs: --gpus N (in all), or --nodes N with --gpus-per-node N")
+    if args.nodes is not None:
         per_node = args.gpus_per_node or args.gpus // args.nodes
         if args.nodes * per_node != args.gpus:
             raise ValueError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
         args.gpus_per_node = per_node
+    return None
+
+
+def _global_batch(args: argparse.Namespace) -> str | None:
+    """Fills --global-batch from a train YAML (micro-batch x accumulation x GPUs); returns the
+    "assumed" words for it, None when --global-batch was given. ValueError when neither says."""
+    from zerotrain.planning import planning_args as pa
+
+    if args.global_batch is not None:
+        return None
+    cfg = pa.train_yaml(args)
+    if cfg is None:
+        raise ValueError("--global-batch is required (samples per optimizer step over all GPUs), "
+                         "e.g. --global-batch 256")
+    t = cfg.training
+    args.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * args.gpus
+    return (f"global batch {args.global_batch} (training.micro_batch_size {t.micro_batch_size} x "
+            f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {args.gpus} GPUs)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -84,12 +117,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from zerotrain.train.data import DataError
 
     try:
-        _gpus_from_nodes(args)
+        gpus_from = _resolve_gpu_count(args)
+        batch_from = _global_batch(args)
         per_node = args.gpus_per_node or min(args.gpus, 8)
         if args.gpus % per_node:
             raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {per_node}")
         if args.gpu_memory is None:
-            raise ValueError("--gpu-memory is required: a plan needs to know what fits, e.g. --gpu-memory 80GB")
+            raise ValueError("--gpu-memory is required: a plan needs to know what fits, e.g. --gpu-memory 80GiB")
         # A plan never recommends what it did not check: without --cpu-memory, this machine's memory
         # is each node's (a rung offloading 1 TiB to a 64 GiB machine used to come out "fits").
         assumed_cpu = args.cpu_memory is None and pa.this_machine_memory()
@@ -106,6 +140,7 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = make_plan(model, hardware, pa.seq_len(args, model), args.global_batch, pa.compute_dtype(args, base),
                          args.attention, base, args.gradient_checkpointing, rates=rates,
                          loss_chunk_tokens=pa.loss_chunk_tokens(args))
+        assumed = _assumed_lines(args, base, gpus_from, batch_from)
     except (ConfigError, DataError, ValueError) as error:
         print_user_error("zerotrain plan", error)
         return USAGE_EXIT_CODE
@@ -120,21 +155,21 @@ def run_plan(args: argparse.Namespace) -> int:
 
         curves = scale_curves(model, plan, args.scale, base)
     if args.json:
-        print(plan_json(plan, ds_config, curves))
+        print(plan_json(plan, ds_config, curves, assumed))
         return 0 if plan.choice else 1
-    for line in assumed_speed:
+    for line in assumed + assumed_speed:
         print(line)
     total, _ = count_parameters(model)
     if assumed_cpu:
-        from zerotrain.planning.rung_memory import format_bytes
+        from zerotrain.config.byte_sizes import format_bytes
 
         print(f"CPU memory per node: {format_bytes(assumed_cpu)}, this machine's (no --cpu-memory given; "
               "set it to plan for other nodes)")
     from zerotrain.planning.model_source import assumed_sizes, parse_config_overrides
 
-    assumed = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))
+    sizes = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))
     print(describe_setup(args.model, total, hardware, plan.workload_at_choice() if plan.choice else plan.workload,
-                         assumed))
+                         sizes))
     print(format_plan(plan))
     if ds_config is not None:
         print("DeepSpeed config (ds_config.json):")
@@ -150,3 +185,17 @@ def run_plan(args: argparse.Namespace) -> int:
             plot_scale(curves, args.plot)
             print(f"plot: {args.plot}")
     return 0 if plan.choice else 1
+
+
+def _assumed_lines(args: argparse.Namespace, base: dict | None, gpus_from: str | None,
+                   batch_from: str | None) -> list[str]:
+    """What the plan assumed that no flag said: the train YAML's ranks, precision and batch, the
+    --scale count planned at, and a GPU memory written in GB (10^9 bytes)."""
+    from zerotrain.planning import planning_args as pa
+
+    parts = pa.assumed_from_train(args, base, gpus_from == "train") + ([batch_from] if batch_from else [])
+    if gpus_from == "scale":
+        parts.append(f"--gpus {args.gpus}, the smallest --scale count (the plan is made there)")
+    lines = [pa.assumed_line(parts), pa.decimal_gpu_memory_note(args.gpu_memory)]
+    return [line for line in lines if line]
+

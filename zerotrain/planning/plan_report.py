@@ -8,7 +8,8 @@ from typing import Any
 import yaml
 
 from zerotrain.planning.planner import Plan
-from zerotrain.planning.rung_memory import GIB, Hardware, RungEstimate, Workload, format_bytes
+from zerotrain.config.byte_sizes import format_bytes
+from zerotrain.planning.rung_memory import GIB, Hardware, RungEstimate, Workload
 
 # (column header, key in RungEstimate.gpu)
 _GPU_COLUMNS = (
@@ -157,9 +158,12 @@ def train_yaml_section(plan: Plan, ds_config: dict[str, Any]) -> str:
     return yaml.safe_dump({"training": training, "zero": zero}, sort_keys=False)
 
 
-def plan_json(plan: Plan, ds_config: dict[str, Any] | None, curves: list | None = None) -> str:
+def plan_json(plan: Plan, ds_config: dict[str, Any] | None, curves: list | None = None,
+              assumed: list[str] | None = None) -> str:
+    """The plan as JSON; `assumed`: the lines saying what no flag gave (train YAML ranks, dtype, batch)."""
     hw = plan.hardware
     return json.dumps({
+        "assumed": assumed or [],
         "hardware": {"gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes, "world_size": hw.world_size,
                      "gpu_memory": hw.gpu_memory, "cpu_memory": hw.cpu_memory} if hw else None,
         "choice": plan.choice.as_dict() if plan.choice else None,

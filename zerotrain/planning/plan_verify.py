@@ -14,17 +14,15 @@ the plan falls to the next rung, saying so.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
+from zerotrain.comm.fault_points import fault_point
 from zerotrain.planning.local_job import recorded
 from zerotrain.planning.planner import Plan, make_plan
-from zerotrain.planning.rung_memory import format_bytes
+from zerotrain.config.byte_sizes import format_bytes
 
 STEPS = 3
-# Test-only: "RANK@STAGE" makes that rank raise an out-of-memory error when verifying that ZeRO stage.
-_INJECT_OOM_ENV = "ZEROTRAIN_TEST_VERIFY_OOM"
 
 
 def verify_plan(plan: Plan, model, args: argparse.Namespace, base: dict | None) -> Plan:
@@ -128,8 +126,7 @@ def _worker(config_dict: dict, ds: dict, seq_len: int, micro: int, accumulation:
     launch = init_distributed()
     device = device_for(launch.local_rank)
     hf_config = AutoConfig.for_model(**config_dict)
-    if os.environ.get(_INJECT_OOM_ENV) == f"{launch.rank}@{ds['zero_optimization']['stage']}":
-        raise torch.OutOfMemoryError(f"out of memory ({_INJECT_OOM_ENV}, a test's injected failure)")
+    fault_point("verify", number=ds["zero_optimization"]["stage"])  # a test's ZEROTRAIN_FAULT=verify:rankK:STAGE:oom
     with zerotrain.zero.Init(config_dict_or_path=ds, enabled=ds["zero_optimization"]["stage"] == 3):
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
     from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing

@@ -9,9 +9,12 @@ the estimate honours.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from zerotrain.planning.rung_memory import Hardware, parse_size
+from zerotrain.config.byte_sizes import parse_byte_size
+
+if TYPE_CHECKING:  # rung_memory imports torch: the parsers are built without it (`zerotrain --help`)
+    from zerotrain.planning.rung_memory import Hardware
 
 DEFAULT_SEQ_LEN = 2048
 
@@ -50,9 +53,10 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
-                        help="memory of one GPU, e.g. 80GB (GB = GiB, as devices report it)")
+                        help="memory of one GPU, e.g. 80GiB for an 80 GB H100 (GiB = 2^30 bytes, as devices "
+                        "report it; GB = 10^9 bytes, so 80GB is 74.5 GiB)")
     parser.add_argument("--cpu-memory", type=memory_size, default=None, metavar="SIZE",
-                        help="CPU memory of one node, e.g. 512GB")
+                        help="CPU memory of one node, e.g. 512GiB (GiB = 2^30 bytes, GB = 10^9)")
     parser.add_argument("--nvme", metavar="PATH", default=None,
                         help="a local NVMe folder: adds the NVMe offload rungs")
 
@@ -83,7 +87,17 @@ def base_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def compute_dtype(args: argparse.Namespace, base: dict[str, Any] | None) -> str:
-    """--dtype, else the --deepspeed config's enabled bf16/fp16, else bf16."""
+    """--dtype, else the --deepspeed config's enabled bf16/fp16, else a train YAML's precision as
+    `zerotrain train` resolves it here, else bf16."""
+    given = _given_dtype(args, base)
+    if given:
+        return given
+    run = train_run(args)
+    return run.dtype if run is not None else "bf16"
+
+
+def _given_dtype(args: argparse.Namespace, base: dict[str, Any] | None) -> str | None:
+    """--dtype, else the --deepspeed config's enabled bf16/fp16 (None: neither says)."""
     if args.dtype:
         return args.dtype
     for key in ("bf16", "fp16"):
@@ -91,7 +105,31 @@ def compute_dtype(args: argparse.Namespace, base: dict[str, Any] | None) -> str:
             return key
     if base and base.get("bfloat16", {}).get("enabled") is True:
         return "bf16"
-    return "bf16"
+    return None
+
+
+def train_run(args: argparse.Namespace):
+    """What `zerotrain train MODEL` would run here (AssumedTrainRun) when MODEL is a train YAML, else None."""
+    cfg = train_yaml(args)
+    if cfg is None:
+        return None
+    from zerotrain.planning.assumed_train_run import assumed_train_run
+
+    return assumed_train_run(cfg)
+
+
+def assumed_from_train(args: argparse.Namespace, base: dict[str, Any] | None, ranks_from_train: bool) -> list[str]:
+    """What was taken from `zerotrain train` for a train YAML (its ranks, its precision), for the
+    "assumed: ..." line; empty when MODEL is no train YAML or flags said both."""
+    run = train_run(args)
+    if run is None:
+        return []
+    return run.describe(ranks=ranks_from_train, dtype=_given_dtype(args, base) is None)
+
+
+def assumed_line(parts: list[str]) -> str | None:
+    """ "assumed: a, b" (None for no parts): what a planner took that no flag said."""
+    return "assumed: " + ", ".join(parts) if parts else None
 
 
 def train_yaml(args: argparse.Namespace):
@@ -125,6 +163,8 @@ def loss_chunk_tokens(args: argparse.Namespace) -> int | None:
 
 
 def hardware(gpus_per_node: int, nodes: int, args: argparse.Namespace) -> Hardware:
+    from zerotrain.planning.rung_memory import Hardware
+
     return Hardware(gpus_per_node, nodes, args.gpu_memory, args.cpu_memory, args.nvme)
 
 
@@ -149,7 +189,20 @@ def positive_int(text: str) -> int:
 
 
 def memory_size(text: str) -> int:
+    """A --gpu-memory/--cpu-memory value in bytes, by the one size rule (config/byte_sizes.py); a unit is required."""
     try:
-        return parse_size(text)
+        return parse_byte_size(text, require_unit=True)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def decimal_gpu_memory_note(gpu_memory: int | None) -> str | None:
+    """A note when --gpu-memory was written in GB (10^9 bytes): GPUs count memory in GiB, so an
+    "80GB" card holds about 80 GiB and 80GB undercounts it by 7%. None otherwise."""
+    if not gpu_memory or gpu_memory % 10**9 or gpu_memory % 2**30 == 0:
+        return None
+    from zerotrain.config.byte_sizes import format_bytes
+
+    gb = gpu_memory // 10**9
+    return (f"GPU memory: {gb}GB is {gb}e9 bytes = {format_bytes(gpu_memory)} (GB = 10^9 bytes); a GPU sold as "
+            f"{gb} GB holds about {gb} GiB: write --gpu-memory {gb}GiB for it")

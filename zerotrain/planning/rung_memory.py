@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from zerotrain.config import load_config, resolve_config
+from zerotrain.config.byte_sizes import format_bytes
 from zerotrain.planning.ladder import Rung
 from zerotrain.planning.model_states import bucket_layouts, model_states_per_rank
 from zerotrain.zero.optimizer import sub_group_counts
@@ -319,26 +320,3 @@ def _check_fit(est: RungEstimate, hardware: Hardware) -> None:
     if est.rung.uses_nvme and hardware.nvme_path is None:
         est.overflow.append("needs an NVMe path (--nvme)")
     est.fits = not est.overflow
-
-
-def format_bytes(n: int) -> str:
-    """Bytes in MiB below 1 GiB, then GiB: two decimals below 10 GiB, one above."""
-    gib = n / GIB
-    if gib < 1:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{gib:.2f} GiB" if gib < 10 else f"{gib:.1f} GiB"
-
-
-def parse_size(text: str) -> int:
-    """"80GB", "80G", "80GiB", "512 GB", "1.5TB", "24000MB" → bytes.
-
-    GB and GiB both mean 2^30 bytes: a GPU sold as "80GB" holds 80 GiB, as nvidia-smi and
-    torch.cuda report it, so users' numbers and the devices' agree.
-    """
-    import re
-
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
-    if not match or (not match.group(2) and match.group(3)):
-        raise ValueError(f"{text!r} is not a memory size; write it like 80GB, 512GiB or 1.5TB")
-    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[match.group(2)]
-    return int(float(match.group(1)) * scale)

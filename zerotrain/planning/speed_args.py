@@ -18,15 +18,15 @@ from zerotrain.planning.hardware_rates import (
 # The InfiniBand of each generation's usual cluster: what a plan across nodes assumes unless told.
 USUAL_INTER = {"h100": "ib-ndr", "h200": "ib-ndr", "h100-pcie": "ib-ndr", "a100-80gb": "ib-hdr",
                 "a100-40gb": "ib-hdr", "v100": "ib-edr", "l40s": "200gbe"}
-# A GPU-memory size that names the device when --gpu is not given.
-_BY_MEMORY_GIB = {80: "h100", 141: "h200", 40: "a100-40gb", 32: "v100", 48: "l40s"}
+# A GPU-memory size that names the device when --gpu is not given: the size it is sold as ("80 GB").
+_BY_MEMORY_SOLD = {80: "h100", 141: "h200", 40: "a100-40gb", 32: "v100", 48: "l40s"}
 
 
 def add_speed_args(parser: argparse.ArgumentParser) -> None:
     """Adds --gpu, --intra-node, --inter-node, --compute and --comm."""
     parser.add_argument("--gpu", choices=DEVICE_NAMES, default=None, type=str.lower,
-                        help="the GPU, for its speed (default: from --gpu-memory: 80GB h100, 40GB a100-40gb, "
-                        "32GB v100, 141GB h200; else h100)")
+                        help="the GPU, for its speed (default: from --gpu-memory: 80GiB h100, 40GiB a100-40gb, "
+                        "32GiB v100, 141GiB h200, 48GiB l40s, in GiB or GB; else h100)")
     parser.add_argument("--intra-node", choices=INTRA_NAMES, default=None, type=str.lower,
                         help="link between a node's GPUs (default: the GPU's usual one, e.g. nvlink4 for h100)")
     parser.add_argument("--inter-node", choices=INTER_NAMES, default=None, type=str.lower,
@@ -42,10 +42,10 @@ def rates_from_args(args: argparse.Namespace, gpus_per_node: int) -> tuple[Rates
     assumed = []
     device = args.gpu
     if device is None:
-        gib = round((args.gpu_memory or 0) / 2**30)
-        device = _BY_MEMORY_GIB.get(gib, "h100")
+        named = device_by_memory(args.gpu_memory)
+        device = named or "h100"
         assumed.append(f"GPU speed: {device} (from --gpu-memory; give --gpu to say which)"
-                       if gib in _BY_MEMORY_GIB else "GPU speed: h100 (give --gpu to say which)")
+                       if named else "GPU speed: h100 (give --gpu to say which)")
     inter = args.inter_node or USUAL_INTER[device]
     rates = with_inter_node(named_rates(device, args.intra_node, None), inter, gpus_per_node,
                             assumed=not args.inter_node)
@@ -54,3 +54,16 @@ def rates_from_args(args: argparse.Namespace, gpus_per_node: int) -> tuple[Rates
     if args.comm:
         rates = with_comm_probe(rates, args.comm)
     return rates, assumed
+
+
+def device_by_memory(gpu_memory: int | None) -> str | None:
+    """The named GPU whose memory `gpu_memory` is, or None. A card sold as N GB holds about N GiB (torch
+    reports an H100 80GB as 79.2 GiB, an H200 141GB as 140.4 GiB): within 3% of N GiB, or N GB exactly as
+    a user may write it (80GB = 80e9 bytes)."""
+    if not gpu_memory:
+        return None
+    for sold, device in _BY_MEMORY_SOLD.items():
+        if abs(gpu_memory / 2**30 - sold) <= 0.03 * sold or gpu_memory == sold * 10**9:
+            return device
+    return None
+

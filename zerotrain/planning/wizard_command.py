@@ -1,7 +1,7 @@
 """`zerotrain init [MODEL]`: the config wizard, writing a DeepSpeed JSON, a train YAML, an Accelerate YAML.
 
 Every question of `config_wizard` has a flag; `--yes` takes the recommended answer for the
-rest, so `zerotrain init MODEL --gpus-per-node 8 --gpu-memory 80GB --yes` writes the plan's
+rest, so `zerotrain init MODEL --gpus-per-node 8 --gpu-memory 80GiB --yes` writes the plan's
 configs at once. The files agree: the optimizer (learning rate included) is written to both from
 one place (`optimizer_params`), and the train YAML runs as is (steps, run directory, data).
 """
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import yaml
 
 from zerotrain.config.flag_spellings import GPUS_PER_NODE, NODES, add_shared_flag
+from zerotrain.system.durable_files import atomic_write_text
 
 if TYPE_CHECKING:
     from zerotrain.planning.wizard_questions import Answers
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
 # Machines and GPUs per machine are spelled as in every other command (config/flag_spellings.py).
 _LAYOUT_FLAGS = (("num_machines", NODES, "machines (nodes)"), ("gpus_per_machine", GPUS_PER_NODE, "GPUs per machine"))
 _QUESTION_FLAGS = (
-    ("--gpu-memory", "memory of one GPU, e.g. 80GB (default: this machine's; none without a GPU)"),
-    ("--cpu-memory", "CPU memory of one machine, e.g. 512GB"),
+    ("--gpu-memory", "memory of one GPU, e.g. 80GiB (GiB = 2^30 bytes, GB = 10^9; default: this machine's; "
+                     "none without a GPU)"),
+    ("--cpu-memory", "CPU memory of one machine, e.g. 512GiB"),
     ("--seq-len", "tokens per sample"), ("--global-batch", "samples per optimizer step over all GPUs"),
     ("--mixed-precision", "no, fp16 or bf16"), ("--zero-stage", "0-3"),
     ("--offload-optimizer", "none, cpu or nvme"), ("--offload-param", "none, cpu or nvme (stage 3)"),
@@ -250,13 +252,11 @@ def accelerate_config(a: Answers, deepspeed_json: str) -> dict[str, Any]:
 
 
 def format_gib(n: int) -> str:
-    from zerotrain.planning.rung_memory import format_bytes
+    from zerotrain.config.byte_sizes import format_bytes
 
     return format_bytes(n)
 
 
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # a config is never left half written
+    atomic_write_text(path, text)  # a config is never left half written

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from zerotrain.planning.rung_memory import format_bytes, parse_size
+from zerotrain.config.byte_sizes import format_bytes, parse_byte_size
 
 
 class WizardError(ValueError):
@@ -206,12 +206,11 @@ def divisor_of(n: int) -> Kind:
 
 
 def _size(text: str) -> int:
-    if text.strip().replace(".", "", 1).isdigit():  # "80": bytes to parse_size, GiB to the user
-        raise BadAnswer(f"no unit (did you mean {text.strip()}GB?)")
+    # The one size rule (config/byte_sizes.py): GiB = 2^30, GB = 10^9; "80" alone is refused, not 80 bytes.
     try:
-        return parse_size(text)
-    except ValueError:
-        raise BadAnswer("not a memory size") from None
+        return parse_byte_size(text, require_unit=True)
+    except ValueError as error:  # the wizard shows the answer itself before the reason
+        raise BadAnswer(str(error).removeprefix(f"{text!r}: ")) from None
 
 
 def show_size(value: int | None) -> str:
@@ -219,14 +218,14 @@ def show_size(value: int | None) -> str:
     return "none" if value is None else format_bytes(value).replace(" ", "")
 
 
-GPU_MEMORY = Kind(_size, "a memory size with its unit, e.g. 24GB, 80GB or 141GB", show_size)
+GPU_MEMORY = Kind(_size, "a memory size with its unit, e.g. 24GiB or 80GiB (GiB = 2^30 bytes, GB = 10^9)", show_size)
 
 
 def _size_or_none(text: str) -> int | None:
     return None if text.strip().lower() in ("0", "none") else _size(text)
 
 
-CPU_MEMORY = Kind(_size_or_none, "a memory size with its unit, e.g. 512GB or 1TB; 0 or none: do not check",
+CPU_MEMORY = Kind(_size_or_none, "a memory size with its unit, e.g. 512GiB or 1TiB; 0 or none: do not check",
                   show_size)
 
 
