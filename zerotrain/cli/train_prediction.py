@@ -27,6 +27,7 @@ def predict_train_step(cfg, world: int, per_node: int) -> dict[str, Any] | None:
     from zerotrain.planning.model_source import load_meta_model
     from zerotrain.planning.rung_memory import Hardware, Workload
     from zerotrain.planning.step_time import predict_step
+    from zerotrain.train.zero_fill import resolve_precision
 
     probes = cfg.logging
     gpu = None
@@ -50,7 +51,8 @@ def predict_train_step(cfg, world: int, per_node: int) -> dict[str, Any] | None:
         rates = with_inter_node(rates, USUAL_INTER[gpu] if gpu else "25gbe", per_node, assumed=True)
     t = cfg.training
     rung = train_config_rung(cfg)
-    dtype = t.precision if t.precision in ("bf16", "fp16", "fp32") else ("bf16" if gpu else "fp32")
+    # The precision the trainer itself resolves (the one rule, shared with estimate/plan of a YAML).
+    dtype = resolve_precision(t.precision, "cuda" if torch.cuda.is_available() else "cpu", cfg.zero_dict())
     workload = Workload(cfg.data.seq_len, t.micro_batch_size, dtype, loss_chunk_tokens=t.loss_chunk_tokens)
     step = predict_step(load_meta_model(cfg.model), rung, workload,
                         Hardware(per_node, max(1, world // per_node)), rates, t.gradient_accumulation_steps)
