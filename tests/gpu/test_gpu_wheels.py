@@ -1,13 +1,17 @@
 """The GPU check kit's wheels (benchmarks/gpu/wheel_plan.py, fetched by `make gpu-wheels`): the plan
 covers pyproject.toml, keeps one version per distribution and DeepSpeed apart, and, where .whl/
 was built, its manifest matches files that fit one device call and install on the GPU machine.
+wheels.py itself, run on a made-up kit already at hand, keeps the planned wheels, removes an older
+one, writes a manifest that --check accepts, and prints install lines that install each group.
 All offline: nothing here downloads."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -96,11 +100,17 @@ def test_target_tags_accept_only_what_installs_on_cp312_manylinux_x86_64():
 # --- the Requires-Dist walk, on small made-up wheels ------------------------------------------
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
+    """An installable wheel of a module `name` that knows its VERSION."""
     folder.mkdir(parents=True, exist_ok=True)
     meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
     meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": f"VERSION = {version!r}\n", f"{info}/METADATA": meta,
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as zf:
-        zf.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+        for path, text in files.items():
+            zf.writestr(path, text)
+        zf.writestr(f"{info}/RECORD", "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"]))
 
 
 @pytest.fixture
@@ -164,7 +174,74 @@ def test_check_mode_passes_without_a_kit_and_on_the_kit_built_here(tmp_path):
     for dest in [tmp_path] + ([KIT] if MANIFEST.exists() else []):
         cmd = [sys.executable, str(GPU_DIR / "wheels.py"), "--check", "--dest", str(dest)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        said = done.stdout + done.stderr
+        assert done.returncode == 0 and done.stdout.splitlines()[-1] == "[gpu-wheels] check: OK", said
+        plan_only = f"no {dest / 'manifest.json'}: checked the plan against pyproject.toml and the machine list only"
+        assert (plan_only in done.stdout) == (dest == tmp_path), done.stdout  # a kit's manifest is compared
+
+
+# --- wheels.py on a made-up kit whose wheels are at hand: nothing to download ------------------
+
+@pytest.fixture
+def kit_built(made_up_kit, monkeypatch, capsys):
+    """wheels.py run on the made-up kit (with an older `dep` lying in it): (its folder, the module, what it printed)."""
+    wheels = _load("wheels")
+    monkeypatch.setattr(wheels, "plan", plan)  # the made-up plan, not its own import of wheel_plan
+
+    def no_network(*args, **env):
+        raise AssertionError(f"every planned wheel is at hand, yet wheels.py ran pip {args}")
+
+    monkeypatch.setattr(wheels, "pip", no_network)
+    _wheel(made_up_kit, "dep", "1.9", [])  # an older pin's wheel: two versions would stop the install
+    assert wheels.main(["--dest", str(made_up_kit)]) == 0
+    return made_up_kit, wheels, capsys.readouterr().out
+
+
+def test_wheels_py_lands_the_planned_wheels_with_a_manifest_that_check_accepts(kit_built):
+    kit, wheels, printed = kit_built
+    data = json.loads((kit / "manifest.json").read_text())
+    rows = {(w["file"], w["distribution"], w["version"], w["group"]) for w in data["wheels"]}
+    assert rows == {("top-1.0-py3-none-any.whl", "top", "1.0", "zerotrain"),
+                    ("dep-2.1-py3-none-any.whl", "dep", "2.1", "zerotrain"),
+                    ("deepspeed/cmp-0.1-py3-none-any.whl", "cmp", "0.1", "comparison")}
+    for w in data["wheels"]:
+        assert (w["size"], w["sha256"]) == (len(b := (kit / w["file"]).read_bytes()), hashlib.sha256(b).hexdigest())
+    assert data["total_bytes"] == sum(w["size"] for w in data["wheels"])
+    assert not (kit / "dep-1.9-py3-none-any.whl").exists() and "removing" in printed
+    assert "nothing downloaded" in printed
+    assert wheels.main(["--check", "--dest", str(kit)]) == 0
+    with zipfile.ZipFile(kit / "dep-2.1-py3-none-any.whl", "a") as zf:  # not the file the manifest recorded
+        zf.writestr("dep/extra.py", "")
+    assert wheels.main(["--check", "--dest", str(kit)]) == 1
+
+
+@pytest.mark.slow
+def test_the_install_lines_wheels_py_prints_install_each_group_offline(kit_built, tmp_path):
+    kit, _, printed = kit_built
+    prefix = "[gpu-wheels] install: "
+    lines = [line[len(prefix):] for line in printed.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 2  # the zerotrain group, then the comparison group
+    installed = {}
+    for group, line in zip(("zerotrain", "comparison"), lines):
+        site = tmp_path / group
+        argv = [sys.executable if a == "python3" else a for a in shlex.split(line)]  # this Python plays the machine's
+        argv = [str(site) if a.startswith("/tmp/zt-") else a for a in argv[:-1]] + sorted(glob.glob(argv[-1]))
+        assert "--no-index" in argv  # the GPU machine has no network
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
+        # what is installed there: each distribution's metadata version, and its module's own
+        done = subprocess.run([sys.executable, "-I", "-c", INSTALLED_PROBE, str(site)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        installed[group] = json.loads(done.stdout)
+    assert installed == {"zerotrain": [["dep", "2.1", "2.1"], ["top", "1.0", "1.0"]],
+                         "comparison": [["cmp", "0.1", "0.1"]]}
+
+
+INSTALLED_PROBE = """import importlib, importlib.metadata, json, sys
+sys.path.insert(0, sys.argv[1])
+found = importlib.metadata.distributions(path=[sys.argv[1]])
+print(json.dumps(sorted([d.name, d.version, importlib.import_module(d.name).VERSION] for d in found)))"""
 
 
 # --- the kit in .whl/, where `make gpu-wheels` built it -----------------------------------

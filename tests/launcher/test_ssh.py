@@ -243,20 +243,36 @@ def test_run_on_hosts_stops_a_host_that_runs_past_the_timeout(ssh_cluster):
 
 
 def test_killing_the_local_ssh_closes_the_remote_commands_stdin(ssh_cluster, tmp_path):
-    marker = tmp_path / "stdin-closed"
-    code = f"import sys; sys.stdin.read(); open({str(marker)!r}, 'w').close()"
+    # No guessed login time: the remote command echoes a line it read from stdin into a file
+    # (so it is logged in, and its stdin is open and ours), then reads to the end and marks that.
+    echoed, closed = tmp_path / "echoed", tmp_path / "stdin-closed"
+    part = echoed.with_suffix(".part")
+    code = (f"import os, sys; line = sys.stdin.readline(); open({str(part)!r}, 'w').write(line); "
+            f"os.replace({str(part)!r}, {str(echoed)!r}); sys.stdin.read(); open({str(closed)!r}, 'w').close()")
     argv = ssh_argv(ssh_cluster.nodes[0].address, shlex.join([sys.executable, "-c", code]), cluster_options(ssh_cluster))
-    ssh = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ssh = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)  # logged in and waiting on stdin
-        assert not marker.exists()
+        ssh.stdin.write("logged in\n")
+        ssh.stdin.flush()
+        assert wait_for_file(echoed, 30, ssh), f"no echo: ssh ended with {ssh.returncode}: {ssh.stderr.read()}"
+        assert echoed.read_text() == "logged in\n"
+        assert not closed.exists(), "the remote command's stdin closed while the local ssh still ran"
     finally:
         ssh.kill()
         ssh.wait()
-    deadline = time.monotonic() + 5
-    while not marker.exists() and time.monotonic() < deadline:
+        ssh.stdin.close()
+        ssh.stderr.close()
+    assert wait_for_file(closed, 10), "the remote command never saw its stdin close"
+
+
+def wait_for_file(path, timeout_s: float, process: subprocess.Popen | None = None) -> bool:
+    """Whether `path` appears within `timeout_s` (False at once if `process` ends first without it)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline or (process is not None and process.poll() is not None):
+            return path.exists()
         time.sleep(0.05)
-    assert marker.exists(), "the remote command never saw its stdin close"
+    return True
 
 
 def test_resolved_address_follows_the_ssh_config_alias(ssh_cluster):

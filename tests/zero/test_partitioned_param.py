@@ -1,25 +1,23 @@
 """ZeRO-3 parameters say they are partitioned, and otherwise behave as nn.Parameter.
 
-Most checks run in this process on a one-rank bucket whose all-gather is a copy;
-the last one runs a real two-rank stage-3 engine.
+Most checks run in this process: on a one-rank bucket whose all-gather is a copy, and on
+the buckets of every rank of a small world, whose all-gather concatenates their kept shards;
+one runs a real two-rank stage-3 engine.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from conftest import run_on_ranks
+from in_process_gather import gather_over
 from llama_workload import train_reference, train_zerotrain, zero_config
 from zerotrain.zero.partitioned_param import ZeroParamStatus
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
 
 
 @pytest.fixture
@@ -27,16 +25,13 @@ def partitioned_linear(monkeypatch):
     """An nn.Linear whose parameters are a freed stage-3 bucket of one rank, and the bucket."""
     from zerotrain.zero.flat_param import FlatParam
 
-    def one_rank_all_gather(out, inp, purpose, group=None, async_op=False):
-        out.copy_(inp)
-        return _Done()
-
-    monkeypatch.setattr("zerotrain.comm.distributed.all_gather", one_rank_all_gather)
     torch.manual_seed(0)
     linear = nn.Linear(4, 3)
     reference = copy.deepcopy(linear)  # a plain twin, before partitioning
     fp = FlatParam([linear.weight, linear.bias], ["weight", "bias"], 0, world_size=1, rank=0, sharded=True)
+    fp.make_master(torch.float32)  # as build_flat_params does: fp32 on the device, the shard is its own master
     fp.keep_only_shard()
+    gather_over(monkeypatch, [fp])  # a world of one
     return linear, fp, reference
 
 
@@ -73,11 +68,79 @@ def test_autograd_and_torch_optimizers_treat_it_as_a_parameter(partitioned_linea
         m(x).square().sum().backward()
         opt.step()
     torch.testing.assert_close(linear.weight.detach(), reference.weight.detach(), rtol=0, atol=0)
-    # the step wrote into the bucket: a free and a gather bring the updated values back
-    fp.local_shard.copy_(fp.data)
-    fp.free()
+    fp.free()  # the step changed only the gathered buffer: freeing it drops the change
     fp.gather()
+    assert not torch.equal(linear.bias.detach(), reference.bias.detach())
+
+
+def test_a_step_inside_gathered_parameters_with_a_modifier_rank_persists(partitioned_linear):
+    from zerotrain.zero import GatheredParameters
+
+    linear, fp, reference = partitioned_linear
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (linear, reference)]
+    x = torch.randn(5, 4)
+    with GatheredParameters(list(linear.parameters()), modifier_rank=0):
+        linear(x).square().sum().backward()
+        opts[0].step()
+    reference(x).square().sum().backward()
+    opts[1].step()
+    assert linear.weight.numel() == 0  # freed again on exit; the kept shard holds the step
+    stepped = torch.cat([reference.weight.detach().flatten(), reference.bias.detach()])
+    torch.testing.assert_close(fp.local_shard, stepped)
+    fp.gather()
+    torch.testing.assert_close(linear.weight.detach(), reference.weight.detach(), rtol=0, atol=0)
     torch.testing.assert_close(linear.bias.detach(), reference.bias.detach(), rtol=0, atol=0)
+
+
+# 15 known values, none zero (padding must read as zeros): a 3x4 weight and a bias of 3.
+KNOWN_WEIGHT = torch.arange(1.0, 13.0).view(3, 4)
+KNOWN_BIAS = -torch.arange(1.0, 4.0)
+
+
+def _partition_on_every_rank(world: int, monkeypatch) -> list[tuple[nn.Linear, object]]:
+    """(linear, bucket) of each rank of `world`, built from the known values and freed to the kept
+    shard; their all-gather concatenates the ranks' kept shards, as the collective does."""
+    from zerotrain.zero.flat_param import FlatParam
+
+    ranks = []
+    for rank in range(world):
+        linear = nn.Linear(4, 3)
+        with torch.no_grad():
+            linear.weight.copy_(KNOWN_WEIGHT)
+            linear.bias.copy_(KNOWN_BIAS)
+        fp = FlatParam([linear.weight, linear.bias], ["weight", "bias"], 0, world_size=world, rank=rank, sharded=True)
+        fp.keep_only_shard()
+        ranks.append((linear, fp))
+    gather_over(monkeypatch, [fp for _, fp in ranks])
+    return ranks
+
+
+@pytest.mark.parametrize("world", [2, 4, 7])  # 7: 15 elements in shards of 3, two ranks hold only padding
+def test_each_rank_keeps_its_slice_and_a_gather_rebuilds_the_whole(world, monkeypatch):
+    ranks = _partition_on_every_rank(world, monkeypatch)
+    size = math.ceil(15 / world)
+    padded = torch.cat([KNOWN_WEIGHT.flatten(), KNOWN_BIAS, torch.zeros(size * world - 15)])
+    for rank, (linear, fp) in enumerate(ranks):
+        assert (fp.shard_size, fp.shard_start, fp.padding) == (size, rank * size, size * world - 15)
+        torch.testing.assert_close(fp.local_shard, padded[rank * size : (rank + 1) * size], rtol=0, atol=0)
+        assert linear.weight.numel() == 0 and linear.bias.numel() == 0  # the whole buffer is freed
+    for linear, fp in ranks:
+        fp.gather()
+        torch.testing.assert_close(linear.weight.detach(), KNOWN_WEIGHT, rtol=0, atol=0)
+        torch.testing.assert_close(linear.bias.detach(), KNOWN_BIAS, rtol=0, atol=0)
+        fp.free()
+
+
+def test_what_each_rank_writes_to_its_shard_is_what_every_rank_gathers(monkeypatch):
+    ranks = _partition_on_every_rank(4, monkeypatch)
+    new = torch.arange(100.0, 116.0)  # 4 shards of 4; the last element is padding
+    for rank, (_, fp) in enumerate(ranks):
+        fp.set_shard(new[rank * 4 : (rank + 1) * 4])  # how the optimizer step and a checkpoint load write
+    for linear, fp in ranks:
+        fp.gather()
+        torch.testing.assert_close(linear.weight.detach(), new[:12].view(3, 4), rtol=0, atol=0)
+        torch.testing.assert_close(linear.bias.detach(), new[12:15], rtol=0, atol=0)
+        fp.free()
 
 
 def test_state_dict_holds_plain_tensors(partitioned_linear):
