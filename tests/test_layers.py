@@ -16,6 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "zerotrain"
 
 LAYERS: list[tuple[str, ...]] = [
+    ("system",),  # the machine underneath: durable (fsynced, atomic) file writes, whether a process runs
     ("config",),  # what the user gives: the DeepSpeed config model, loading, "auto"; user errors and how they show
     ("comm",),  # process groups from any launcher, counted collectives, teardown at exit
     ("optim", "zero", "checkpoint", "profiling"),  # the parts of a step: optimizers, ZeRO, checkpoint I/O, FLOPs
@@ -174,4 +175,4 @@ def test_folders_of_one_layer_do_not_import_each_other_both_ways(graph):
 def test_the_checker_sees_a_circle_and_an_upward_import():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert room_of("zerotrain.zero.stage") == "zero" and room_of("zerotrain") == "__init__"
-    assert LEVEL["cli"] > LEVEL["train"] > LEVEL["runtime"] > LEVEL["zero"] > LEVEL["comm"] > LEVEL["config"]
+    assert LEVEL["cli"] > LEVEL["train"] > LEVEL["runtime"] > LEVEL["zero"] > LEVEL["comm"] > LEVEL["config"] > LEVEL["system"]

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ import zerotrain
 from conftest import run_on_ranks, start_ranks
 from llama_workload import global_batch, make_model, param_groups, zero_config
 from zerotrain.checkpoint import CheckpointError, CheckpointReader
-from zerotrain.checkpoint.coordination import PAUSE_ENV, TIMEOUT_ENV
+from zerotrain.checkpoint.coordination import TIMEOUT_ENV
+from zerotrain.comm.fault_points import FAULT_ENV
+from zerotrain.system.processes import process_state
 
 pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
@@ -35,26 +38,24 @@ def _step(engine, step: int) -> None:
 
 
 def _save_twice(save_dir: str) -> None:
-    """Saves global_step1 normally, then global_step2 with the test's pause point armed."""
+    """Saves global_step1, then global_step2 (the second arrival at each fault point, where the test's stops)."""
     engine = _engine()
-    pause = os.environ.pop(PAUSE_ENV, None)
     _step(engine, 0)
     engine.save_checkpoint(save_dir)
-    if pause:
-        os.environ[PAUSE_ENV] = pause
     _step(engine, 1)
     engine.save_checkpoint(save_dir)
 
 
 @pytest.mark.parametrize("phase", ["after_shards", "before_rename", "before_latest"])
 def test_save_killed_midway_leaves_latest_pointing_at_a_whole_checkpoint(tmp_path, phase):
-    save_dir, marker = tmp_path / "ckpt", tmp_path / "paused"
-    procs, _ = start_ranks(2, _save_twice, str(save_dir), env={PAUSE_ENV: f"{phase}:{marker}"})
+    save_dir = tmp_path / "ckpt"
+    # Rank 0 freezes itself (SIGSTOP) at `phase` of the second save and stays there until killed.
+    procs, _ = start_ranks(2, _save_twice, str(save_dir), env={FAULT_ENV: f"{phase}:rank0:2:stop"})
     try:
         deadline = time.time() + 180
-        while not marker.exists():
-            assert time.time() < deadline, "the save never reached its pause point"
-            assert all(p.is_alive() for p in procs), "a rank died before the pause point"
+        while process_state(procs[0].pid) != "T":
+            assert time.time() < deadline, "the save never reached its fault point"
+            assert all(p.is_alive() for p in procs), "a rank died before the fault point"
             time.sleep(0.2)
     finally:
         for p in procs:
@@ -69,25 +70,33 @@ def test_save_killed_midway_leaves_latest_pointing_at_a_whole_checkpoint(tmp_pat
             reader.read_param("master", name)
 
 
-def _save_from_rank1_only(save_dir: str) -> str:
+def _save_from_rank0_only(save_dir: str, rank0_done: str) -> str:
     import torch.distributed as dist
 
     engine = _engine()
-    if dist.get_rank() == 1:
-        started = time.time()
+    if dist.get_rank() == 0:
+        started, outcome = time.time(), "no error"
         try:
             engine.save_checkpoint(save_dir)
         except CheckpointError as e:
-            return f"{time.time() - started:.1f}s: {e}"
-        return "no error"
-    time.sleep(8)  # rank 0 is busy elsewhere and never joins the save
+            outcome = f"{time.time() - started:.1f}s: {e}"
+        finally:
+            Path(rank0_done).write_text(outcome)
+        return outcome
+    # Rank 1 is busy elsewhere and never joins the save: it stays away until rank 0 has given up,
+    # however long that takes on a loaded machine (a fixed sleep could end first, and its exit
+    # would break rank 0's wait with another error).
+    while not Path(rank0_done).exists():
+        time.sleep(0.1)
     return "idle"
 
 
 def test_save_called_on_one_rank_alone_fails_with_a_clear_error(tmp_path, monkeypatch):
+    # The lone caller is rank 0: torch's monitored_barrier bounds only rank 0's wait by the timeout;
+    # another rank alone waits for the group's own timeout (init_distributed's, 30 minutes).
     monkeypatch.setenv(TIMEOUT_ENV, "3")
-    _, outcome = run_on_ranks(2, _save_from_rank1_only, str(tmp_path))
-    assert "must be called on all 2 ranks" in outcome, outcome
+    outcome, _ = run_on_ranks(2, _save_from_rank0_only, str(tmp_path / "ckpt"), str(tmp_path / "rank0_done"))
+    assert "must be called on all 2 ranks" in outcome and "Ranks 1 failed to pass" in outcome, outcome  # names the absent
     assert float(outcome.split("s:")[0]) < 30
 
 

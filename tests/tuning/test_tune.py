@@ -94,7 +94,7 @@ def test_tune_skips_an_oom_on_one_rank_stops_early_and_picks_the_fastest(zerotra
     }))
     started = time.monotonic()
     done = zerotrain_cli("tune", "tune.yaml", "--num_gpus", "2", "--min-trial-seconds", "1", "--trial-timeout", "10",
-                         "--repeats", "2", "--json", env={"ZEROTRAIN_TEST_TUNE_OOM": "1@1"}, timeout=240)
+                         "--repeats", "2", "--json", env={"ZEROTRAIN_FAULT": "trial:rank1:2:oom"}, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert time.monotonic() - started < 180
     report = json.loads(done.stdout[done.stdout.index("{\n"):])

@@ -36,7 +36,7 @@ def test_tune_repeats_the_leaders_shows_spreads_and_prints_the_overrides(zerotra
     _write_yaml(cwd)
     # Trials: z0_mbs2, z0_mbs1 (made to fail), z0_sac_mbs2 (selective gradient checkpointing).
     done = zerotrain_cli("tune", "tune.yaml", "--repeats", "2", "--min-trial-seconds", "0.2",
-                         env={"ZEROTRAIN_TEST_TUNE_FAIL": "1@0"}, timeout=120)
+                         env={"ZEROTRAIN_FAULT": "trial:rank0:2:fail"}, timeout=120)
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "Warning" not in out + done.stderr and "warnings.warn" not in done.stderr, done.stderr[-2000:]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotrain.autotuning.noise import Spread, Verdict, fmt, verdict
+from zerotrain.system.durable_files import atomic_write_text
 
 
 def samples_of(records: list[dict], metric: str) -> dict[str, list[float]]:
@@ -90,6 +91,4 @@ def write_results(results_dir: Path, exps_dir: Path, experiments: list[dict], re
 
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")

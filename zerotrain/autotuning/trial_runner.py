@@ -28,11 +28,8 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.autotuning.noise import to_repeat
+from zerotrain.comm.fault_points import fault_point
 from zerotrain.planning.local_job import recorded
-
-# Test-only: "TRIAL@RANK" makes that rank run out of memory (or fail) in that trial's first forward.
-INJECT_OOM_ENV = "ZEROTRAIN_TEST_TUNE_OOM"
-INJECT_FAIL_ENV = "ZEROTRAIN_TEST_TUNE_FAIL"
 
 
 @recorded
@@ -228,10 +225,7 @@ def _timed_trial(job: dict, exp: dict, index: int, rank: int, group) -> dict:
 
         def train_step() -> None:
             for _ in range(accumulation):
-                if os.environ.get(INJECT_OOM_ENV) == f"{index}@{rank}":
-                    raise torch.OutOfMemoryError("out of memory (injected by a test)")
-                if os.environ.get(INJECT_FAIL_ENV) == f"{index}@{rank}":
-                    raise ValueError("injected failure (by a test)\nsecond line of the message")
+                fault_point("trial", number=index + 1)  # a test's ZEROTRAIN_FAULT=trial:rankK:N:oom (or fail)
                 ids = torch.randint(0, hf_config.vocab_size, (micro, job["seq_len"]), generator=generator)
                 ids = ids.to(engine.device)
                 engine.backward(engine(input_ids=ids, labels=ids).loss)

@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from zerotrain.system.durable_files import atomic_write_text
 
 RUN_FILE = "run.json"
 STATUS_FILE = "status.json"
@@ -49,9 +50,7 @@ class JobStatus:
     def write(self, job_dir: Path) -> None:
         """Replaces JOB/status.json atomically (report may read it while the run goes on)."""
         job_dir.mkdir(parents=True, exist_ok=True)
-        tmp = job_dir / f".{STATUS_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, job_dir / STATUS_FILE)
+        atomic_write_text(job_dir / STATUS_FILE, json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def read(cls, job_dir: Path) -> JobStatus:

@@ -32,6 +32,7 @@ from zerotrain.bench.run_progress import LogWatcher, RunProgress
 from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
 from zerotrain.launcher.hostfile import HostfileError, parse_hostfile
 from zerotrain.launcher.local import LaunchError
+from zerotrain.system.durable_files import atomic_write_text
 
 COMMAND = "zerotrain bench run"
 DEFAULT_GRACE_S = 15.0
@@ -157,9 +158,7 @@ def _now() -> str:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def _die_with_parent():

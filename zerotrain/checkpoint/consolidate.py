@@ -32,6 +32,13 @@ from zerotrain.checkpoint.file_mode import default_file_mode
 from zerotrain.checkpoint.layout import MASTER, META
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.comm.fault_points import fault_point
+from zerotrain.config.byte_sizes import parse_byte_size
+from zerotrain.system.durable_files import fsync_path, rename_durably
+from zerotrain.system.processes import process_alive
+
+# --max-shard-size is read by the one size rule (config/byte_sizes.py): "5GB" = 5e9 bytes, as Hugging Face
+# and DeepSpeed read it; hf_export and zero_to_fp32 import it under this name.
+parse_size = parse_byte_size
 
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = {
@@ -39,7 +46,6 @@ DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
-_SIZE_UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
 
 # The reader maps shard files, and pages read through a map count as this process's memory
 # until it is unmapped: closing the reader every so many bytes keeps them out of the peak.
@@ -47,23 +53,6 @@ UNMAP_EVERY_BYTES = 64 * 2**20
 
 # progress(tensors_done, tensors_total, bytes_done, bytes_total), called after each tensor is read.
 ProgressCallback = Callable[[int, int, int, int], None]
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in `size`: an int, or "5GB" / "500MB" / "10KB" (powers of 10) / "2GiB" (powers of 2).
-
-    As in Hugging Face, a lowercase "b" after the unit ("5Gb") means bits.
-    """
-    if isinstance(size, int):
-        return size
-    text = str(size).strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)", text)
-    unit = match.group(2).upper() if match else ""
-    if not match or (unit and unit not in _SIZE_UNITS):
-        raise ValueError(f"cannot read size {size!r}: use bytes or a number with GB, MB, KB, GiB, MiB or KiB")
-    value = float(match.group(1)) * _SIZE_UNITS.get(unit, 1)
-    bits = len(match.group(2)) > 1 and match.group(2).endswith("b")
-    return int(value / 8 if bits else value)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -170,13 +159,6 @@ def _output_names(output: Path) -> tuple[Path, str]:
     return output, WEIGHTS_NAME
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Writes `path` under a temporary name first, so readers never see half a file."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temp.write_text(text)
-    os.replace(temp, path)
-
-
 CONFIG_NAME = "config.json"  # a Hugging Face model folder's: with the weights, what makes it loadable
 STAGE_NAME = "consolidate"  # the staging folder inside an existing output folder: .consolidate.tmp-HOST-PID
 _TEMP = re.compile(r"\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)")
@@ -198,16 +180,6 @@ def _is_marker(name: str) -> bool:
     return name.endswith(".index.json") or name == CONFIG_NAME
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by someone else
-    return True
-
-
 def _remove_leftovers(directory: Path, file_name: str) -> None:
     """Removes what runs killed on this machine left for `directory`: their staging folders beside it
     or in it, and an earlier version's temporary files in it. A live run's, or another machine's on a
@@ -221,17 +193,9 @@ def _remove_leftovers(directory: Path, file_name: str) -> None:
             match = _TEMP.fullmatch(path.name)
             if not match or not wanted(match["name"]) or match["host"] not in (None, host):
                 continue
-            if _process_alive(int(match["pid"])):
+            if process_alive(int(match["pid"])):
                 continue
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -263,13 +227,12 @@ def staged_output(directory: Path, file_name: str) -> Iterator[Path]:
     try:
         yield stage
         for path in stage.iterdir():
-            _fsync_path(path)
-        _fsync_path(stage)
+            fsync_path(path)
+        fsync_path(stage)
         if existing:
             _publish_into(stage, directory, _weights_pattern(file_name))
         else:
-            os.rename(stage, directory)
-            _fsync_path(directory.parent)
+            rename_durably(stage, directory)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -284,7 +247,7 @@ def _publish_into(stage: Path, directory: Path, weights: re.Pattern) -> None:
     data, markers = [n for n in staged if not _is_marker(n)], [n for n in staged if _is_marker(n)]
     for name in data + sorted(markers, key=lambda n: n == CONFIG_NAME):  # the config last of all
         os.replace(stage / name, directory / name)
-    _fsync_path(directory)
+    fsync_path(directory)
 
 
 def stage_weights(

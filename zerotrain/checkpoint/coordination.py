@@ -9,9 +9,7 @@ A dedicated Gloo group keeps this working when training runs on NCCL.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -19,8 +17,6 @@ from zerotrain.checkpoint.errors import CheckpointError
 
 # Seconds ranks wait for each other inside save/load; override for very slow file systems.
 TIMEOUT_ENV = "ZEROTRAIN_CHECKPOINT_TIMEOUT"
-# Test hook: rank 0 pauses at this phase of a save (and says so in a file) so a test can kill it there.
-PAUSE_ENV = "ZEROTRAIN_TEST_CHECKPOINT_PAUSE_AT"
 
 
 class Coordinator:
@@ -61,12 +57,3 @@ class Coordinator:
         out = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(value, out, dst=0, group=self.group)
         return out or []
-
-    def pause_point(self, phase: str) -> None:
-        """Test hook for crash-safety tests; does nothing unless the environment asks for `phase`."""
-        spec = os.environ.get(PAUSE_ENV, "")
-        if spec.split(":", 1)[0] != phase:
-            return
-        marker = Path(spec.split(":", 1)[1])
-        marker.write_text(phase)
-        time.sleep(3600)

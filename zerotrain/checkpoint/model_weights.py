@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from zerotrain.checkpoint.coordination import Coordinator
+from zerotrain.system.durable_files import atomic_file
 
 log = logging.getLogger("zerotrain")
 
@@ -57,12 +58,11 @@ def save_16bit_model(
     if engine.rank == 0:
         target = Path(save_dir) / save_filename
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        if target.suffix in _TORCH_SAVE_SUFFIXES:
-            torch.save(state, tmp)
-        else:
-            save_file(_tied_once(state), str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, target)
+        with atomic_file(target) as tmp:
+            if target.suffix in _TORCH_SAVE_SUFFIXES:
+                torch.save(state, tmp)
+            else:
+                save_file(_tied_once(state), str(tmp), metadata={"format": "pt"})
     coord.meet("save_16bit_model:done")
     return True
 

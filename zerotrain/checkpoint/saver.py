@@ -4,7 +4,7 @@ Protocol (a process killed at any point leaves the previous checkpoint whole):
   1. all ranks meet (a call from one rank alone fails after a timeout, naming the absent ranks);
   2. each rank writes its shard and RNG files into a hidden temporary directory, fsynced;
   3. rank 0 writes meta.json and state.pt there, then renames the directory to TAG;
-  4. rank 0 replaces `latest` (write + fsync + os.replace) — the last change;
+  4. rank 0 replaces `latest` (system/durable_files.py: write + fsync + os.replace) — the last change;
   5. all ranks meet again, so no rank runs ahead of a half-written checkpoint.
 
 A write that fails on any rank (a full disk, a quota) fails the save on every rank
@@ -35,6 +35,7 @@ from zerotrain.checkpoint.layout import (
     FORMAT, LATEST, MASTER, META, MODULE, STATE, param_slices_in, rng_file, save_range, shard_file, slice_key,
 )
 from zerotrain.checkpoint.zero_to_fp32_script import write_zero_to_fp32_script
+from zerotrain.system.durable_files import atomic_write_text, fsync_path, rename_durably
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -59,12 +60,11 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None, client
             index, nbytes = _write_rank_files(engine, tmp)
     except OSError as error:
         failure = _describe_os_error(error)
-    if engine.rank == 0:
-        coord.pause_point("after_shards")
+    fault_point("after_shards")
     reports = coord.gather_to_rank0((index, nbytes, failure))
     verdict = None
     if engine.rank == 0:
-        verdict = _finish_on_rank0(engine, coord, root, tmp, tag, reports, client_state, save_latest)
+        verdict = _finish_on_rank0(engine, root, tmp, tag, reports, client_state, save_latest)
     verdict = coord.from_rank0(verdict)
     coord.meet("save_checkpoint:done")
     if verdict is not None:
@@ -72,7 +72,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None, client
     return str(root / tag)
 
 
-def _finish_on_rank0(engine, coord, root: Path, tmp: Path, tag: str, reports: list, client_state, save_latest) -> str | None:
+def _finish_on_rank0(engine, root: Path, tmp: Path, tag: str, reports: list, client_state, save_latest) -> str | None:
     """Writes the common files and publishes TAG; returns the error message if the save failed."""
     failures = [f"rank {r}: {failure}" for r, (_, _, failure) in enumerate(reports) if failure]
     rank_bytes = sum(nbytes for _, nbytes, _ in reports)
@@ -80,10 +80,9 @@ def _finish_on_rank0(engine, coord, root: Path, tmp: Path, tag: str, reports: li
         try:
             with engine.optimizer.states_resident():
                 _write_common_files(engine, tmp, tag, [index for index, _, _ in reports], client_state)
-            coord.pause_point("before_rename")
+            fault_point("before_rename")
             _move_into_place(tmp, root / tag)
             if save_latest:
-                coord.pause_point("before_latest")
                 fault_point("before_latest")
                 publish_latest(root, tag)
             write_zero_to_fp32_script(root)  # as DeepSpeed: the folder carries its own converter
@@ -145,11 +144,11 @@ def _write_rank_files(engine, tmp: Path) -> tuple[dict[str, list], int]:
     path = tmp / shard_file(engine.rank)
     save_file(tensors, str(path), metadata={"format": FORMAT})
     os.chmod(path, default_file_mode())  # safetensors creates 0600; a checkpoint is an ordinary file
-    _fsync(path)
+    fsync_path(path)
     fault_point("shard_write")
     rng_path = tmp / rng_file(engine.rank)
     torch.save(_rng_state(), rng_path)
-    _fsync(rng_path)
+    fsync_path(rng_path)
     return {shard_file(engine.rank): entries}, nbytes
 
 
@@ -208,10 +207,10 @@ def _write_common_files(engine, tmp: Path, tag: str, indexes: list[dict], client
     state_path = tmp / STATE
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     torch.save({"lr_scheduler": scheduler, "client_state": client_state or {}}, state_path)
-    _fsync(state_path)
+    fsync_path(state_path)
     meta_path = tmp / META
     meta_path.write_text(json.dumps(meta, indent=1))
-    _fsync(meta_path)
+    fsync_path(meta_path)
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:
@@ -220,38 +219,14 @@ def _move_into_place(tmp: Path, final: Path) -> None:
         # Directories cannot be swapped atomically: park the old one; readers fall back to it.
         parked = final.with_name(f".old-{final.name}-{uuid.uuid4().hex[:8]}")
         os.rename(final, parked)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    rename_durably(tmp, final)
     if parked is not None:
         shutil.rmtree(parked, ignore_errors=True)
 
 
 def publish_latest(root: str | os.PathLike, tag: str) -> None:
     """Points ROOT/latest at `tag`: a save's last act (also a resume's from a tag newer than `latest`)."""
-    _atomic_write_text(Path(root) / LATEST, tag)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic_write_text(Path(root) / LATEST, tag)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from zerotrain.checkpoint.file_mode import default_file_mode
+from zerotrain.system.durable_files import atomic_write_text
 
 SCRIPT_NAME = "zero_to_fp32.py"
 
@@ -49,13 +50,9 @@ if __name__ == "__main__":
 def write_zero_to_fp32_script(save_dir: str | os.PathLike) -> Path:
     """Writes SAVE_DIR/zero_to_fp32.py, executable, replacing any older copy whole; returns its path."""
     path = Path(save_dir) / SCRIPT_NAME
-    temp = path.with_name(f".{SCRIPT_NAME}.tmp-{os.getpid()}")
-    try:
-        # This interpreter, shell-quoted for pasting, as a Python literal (repr) in the script.
-        temp.write_text(SCRIPT_TEXT.replace("__TRAINED_WITH__", repr(shlex.quote(sys.executable)), 1))
-        mode = default_file_mode()
-        os.chmod(temp, mode | (mode & 0o444) >> 2)  # executable by whoever may read it (0o755 under umask 022)
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
+    mode = default_file_mode()
+    # This interpreter, shell-quoted for pasting, as a Python literal (repr) in the script; the file
+    # executable by whoever may read it (0o755 under umask 022).
+    atomic_write_text(path, SCRIPT_TEXT.replace("__TRAINED_WITH__", repr(shlex.quote(sys.executable)), 1),
+                      mode=mode | (mode & 0o444) >> 2)
     return path

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 from zerotrain.config.errors import UserInputError
+from zerotrain.system.durable_files import atomic_write_text
+from zerotrain.system.processes import process_alive
 
 LOG_NAME, PID_NAME, STOP_NAME, STARTED_NAME = "train.log", "train.pid", "STOP", "train.started"
 # A second Ctrl-C this long after the first stops at once, without the checkpoint. Sooner
@@ -43,33 +45,10 @@ def running_pid(run_dir: Path) -> int | None:
     return pid if process_alive(pid) else None
 
 
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs (an exited, unreaped zombie does not count)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by someone else
-    return not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    # A detached run's parent exits at once, so nobody may reap it: its exited process can
-    # linger as a zombie, which kill(pid, 0) still finds.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def write_pid(run_dir: Path, pid: int | None = None) -> None:
     """Records the run's pid (atomically: a reader never sees half a number)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{PID_NAME}.{os.getpid()}"
-    tmp.write_text(f"{pid or os.getpid()}\n")
-    os.replace(tmp, run_dir / PID_NAME)
+    atomic_write_text(run_dir / PID_NAME, f"{pid or os.getpid()}\n")
 
 
 def clear_pid(run_dir: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from zerotrain.checkpoint.layout import LATEST, META
 from zerotrain.config.errors import ConfigError
+from zerotrain.system.durable_files import is_temp_of
 from zerotrain.train.run_control import running_pid
 
 CHECKPOINTS = "checkpoints"
@@ -195,7 +196,7 @@ def clear_interrupted_saves(checkpoints: Path) -> list[str]:
     removed = []
     for path in sorted(checkpoints.glob(".*")) if checkpoints.is_dir() else []:
         parked_tag = path.name[len(".old-"):].rsplit("-", 1)[0] if path.name.startswith(".old-") else None
-        if path.name.startswith(".tmp-") or path.name == f".{LATEST}.tmp" or (
+        if path.name.startswith(".tmp-") or is_temp_of(path.name, LATEST) or (
                 parked_tag is not None and is_checkpoint_tag(checkpoints / parked_tag)):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
             removed.append(path.name)

@@ -8,8 +8,9 @@ than assumed, or rates that understate the machine.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from zerotrain.system.durable_files import atomic_write_text
 
 PREDICTION_FILE = "predicted_step.json"
 GAP = 1.5
@@ -19,9 +20,7 @@ GAP = 1.5
 def write_prediction(run_dir: Path, prediction: dict) -> None:
     """RUN/predicted_step.json, atomically."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{PREDICTION_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(prediction, indent=2) + "\n")
-    os.replace(tmp, run_dir / PREDICTION_FILE)
+    atomic_write_text(run_dir / PREDICTION_FILE, json.dumps(prediction, indent=2) + "\n")
 
 
 def read_prediction(run_dir: Path, world: int) -> dict | None:

@@ -22,11 +22,11 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from zerotrain.system.durable_files import rename_durably, temp_path_for
 from zerotrain.train.data.corpus import TokenizedCorpus, tokenize_documents
 from zerotrain.train.data.records import Document
 from zerotrain.train.data.tokenize_progress import TokenizeProgress
@@ -106,11 +106,11 @@ def _build(entry: Path, meta: dict[str, Any], read: Reader, tokenizer: Any, size
     with TokenizeProgress(size["label"], total_bytes=size["total_bytes"], total_documents=size["total_documents"],
                           enabled=show_progress) as progress:
         corpus = tokenize_documents(_counted(read(progress.advance_bytes), progress), tokenizer)
-    temp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temp = temp_path_for(entry)
     temp.mkdir()
     try:
         corpus.save(temp, {**meta, "num_documents": corpus.num_documents, "num_tokens": corpus.num_tokens})
-        os.rename(temp, entry)
+        rename_durably(temp, entry)
     except OSError:
         if not entry.is_dir():
             raise
