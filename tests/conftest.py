@@ -40,12 +40,12 @@ def device_env(device: str) -> dict[str, str]:
 # finish together instead of one running a long module alone at the end. Every other module
 # keeps pytest's order after these. tests/test_suite_order.py checks that each one exists.
 LONGEST_MODULES = (
-    "gpu/test_gpu_check_dry.py", "launcher/test_multinode_launch.py", "faults/test_crash_consistency.py",
-    "hf/test_trainer.py", "clients/test_trl.py",
+    "launcher/test_multinode_launch.py", "faults/test_crash_consistency.py",
+    "clients/test_trl.py", "hf/test_trainer.py",
     "clients/test_lightning.py",
     "train/test_train_job.py", "train/test_run_folder.py", "hf/test_accelerate.py",
-    "test_error_messages.py", "planning/test_plan.py", "test_clean_exit.py", "bench/test_run.py",
-    "zero/test_parity.py", "test_install.py", "test_launcher.py", "bench/test_comm.py",
+    "test_error_messages.py", "gpu/test_gpu_check_dry.py", "planning/test_plan.py", "test_clean_exit.py",
+    "bench/test_run.py", "zero/test_parity.py", "test_install.py", "test_launcher.py", "bench/test_comm.py",
     "launcher/test_mpi_run.py", "planning/test_wizard_as_typed.py", "test_flag_spellings.py",
 )
 

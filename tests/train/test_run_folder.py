@@ -1,7 +1,7 @@
 """A run folder never loses work: re-runs, resume targets, pruning, live runs, Ctrl-C, detach.
 
 Every case runs the installed `zerotrain` console script from a temporary folder, a fresh
-process per run, as a user does.
+process per run, as a user does. Three tests share one folder's history of re-runs (`rerun`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import zerotrain_script
+from conftest import ZerotrainCLI, zerotrain_script
 
 # A short single-process job: tiny data, no evaluation, no HF export (each run takes seconds).
 FAST = ["--nproc_per_node", "1", "--training.micro_batch_size", "4", "--data.synthetic.num_examples", "400",
@@ -35,23 +36,65 @@ def _latest(run: Path) -> str:
     return (run / "checkpoints" / "latest").read_text().strip()
 
 
+@dataclass
+class Rerun:
+    """One run folder taken through a user's second go at it, in the order a user goes (each step
+    starts `zerotrain train` afresh): what each step printed and what the folder held after it."""
+
+    cwd: Path
+    run: Path
+    elsewhere: Path
+    config_after_first: str
+    metrics_after_first: str
+    again: subprocess.CompletedProcess
+    metrics_after_again: str
+    latest_after_again: str
+    resumed: subprocess.CompletedProcess
+    latest_after_resume: str
+    overwritten: subprocess.CompletedProcess
+    tags_after_overwrite: list[str]
+    latest_after_overwrite: str
+
+
+@pytest.fixture(scope="module")
+def rerun(tmp_path_factory) -> Rerun:
+    """Shared by three tests (4 runs instead of 8): train 2 steps into `runs/rel` (relative paths), the
+    same command again (refused), `--resume` to step 4 from another folder through the saved
+    config.yaml with a micro batch of 8 instead of 4, then `--overwrite` with 1 step."""
+    root = tmp_path_factory.mktemp("rerun")
+    cwd, elsewhere = root / "cwd", root / "elsewhere"
+    cwd.mkdir()
+    elsewhere.mkdir()
+    cli = ZerotrainCLI(cwd)
+    run = cwd / "runs" / "rel"
+    cli("train", "--output.dir", "runs/rel", "--data.cache_dir", "cache", *FAST, "--training.save_interval", "2",
+        "--training.max_steps", "2", check=True)
+    config_after_first, metrics_after_first = (run / "config.yaml").read_text(), (run / "metrics.csv").read_text()
+    # the absolute path this time: the refusal must name it
+    again = cli("train", "--output.dir", run, "--data.cache_dir", cwd / "cache", *FAST, "--training.max_steps", "2")
+    metrics_after_again, latest_after_again = (run / "metrics.csv").read_text(), _latest(run)
+    # --nproc_per_node is a launch flag, not in config.yaml: 1 process again, so only the micro batch changes
+    resumed = cli("train", run / "config.yaml", "--resume", "--nproc_per_node", "1", "--training.max_steps", "4",
+                  "--training.micro_batch_size", "8", cwd=elsewhere, check=True)
+    latest_after_resume = _latest(run)
+    overwritten = cli("train", "--output.dir", run, "--data.cache_dir", cwd / "cache", *FAST,
+                      "--training.max_steps", "1", "--overwrite", check=True)
+    return Rerun(cwd, run, elsewhere, config_after_first, metrics_after_first, again, metrics_after_again,
+                 latest_after_again, resumed, latest_after_resume, overwritten, _tags(run), _latest(run))
+
+
 @pytest.mark.slow
-def test_rerun_into_a_folder_that_holds_a_run_is_refused_until_resume_or_overwrite(zerotrain_cli, tmp_path):
-    run = tmp_path / "run"
-    _train(zerotrain_cli, run, "--training.max_steps", "2")
-    before = (run / "metrics.csv").read_text()
-
-    again = _train(zerotrain_cli, run, "--training.max_steps", "2", check=False)
+@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 4 runs
+def test_rerun_into_a_folder_that_holds_a_run_is_refused_until_resume_or_overwrite(rerun):
+    again = rerun.again
     assert again.returncode == 2
-    assert str(run) in again.stderr and "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert str(rerun.run) in again.stderr and "--resume" in again.stderr and "--overwrite" in again.stderr
     assert "Traceback" not in again.stderr
-    assert (run / "metrics.csv").read_text() == before and _latest(run) == "step2"  # untouched
+    assert rerun.metrics_after_again == rerun.metrics_after_first and rerun.latest_after_again == "step2"  # untouched
 
-    _train(zerotrain_cli, run, "--training.max_steps", "4", "--resume")
-    assert _latest(run) == "step4"
-    overwritten = _train(zerotrain_cli, run, "--training.max_steps", "1", "--overwrite")
-    assert "removed the earlier run" in overwritten.stderr
-    assert _tags(run) == ["step1"] and _latest(run) == "step1"
+    assert rerun.latest_after_resume == "step4"  # --resume trains on (through the saved config here)
+    assert "removed the earlier run" in rerun.overwritten.stderr
+    assert rerun.tags_after_overwrite == ["step1"] and rerun.latest_after_overwrite == "step1"
 
 
 @pytest.mark.slow
@@ -85,19 +128,14 @@ def test_a_resume_target_that_is_not_a_checkpoint_fails_before_any_step(zerotrai
 
 
 @pytest.mark.slow
-def test_the_saved_config_resumes_from_any_folder_with_relative_paths_made_absolute(zerotrain_cli, tmp_path):
+@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 4 runs
+def test_the_saved_config_resumes_from_any_folder_with_relative_paths_made_absolute(rerun):
     # Relative paths used to stay relative in RUN/config.yaml: the printed resume command failed
     # (or wrote a stray run) from any other folder.
-    start = zerotrain_cli.cwd
-    common = ["--data.cache_dir", "cache", *FAST, "--training.save_interval", "2"]
-    zerotrain_cli("train", "--output.dir", "runs/rel", *common, "--training.max_steps", "2", check=True)
-    saved = (start / "runs" / "rel" / "config.yaml").read_text()
-    assert f"dir: {start / 'runs' / 'rel'}" in saved and f"cache_dir: {start / 'cache'}" in saved, saved
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    zerotrain_cli("train", start / "runs" / "rel" / "config.yaml", "--resume", "--training.max_steps", "4",
-                  cwd=elsewhere, check=True)
-    assert _latest(start / "runs" / "rel") == "step4" and not (elsewhere / "runs").exists()
+    saved = rerun.config_after_first
+    assert f"dir: {rerun.cwd / 'runs' / 'rel'}" in saved and f"cache_dir: {rerun.cwd / 'cache'}" in saved, saved
+    assert rerun.resumed.returncode == 0  # run from `elsewhere` with only config.yaml's path
+    assert rerun.latest_after_resume == "step4" and not (rerun.elsewhere / "runs").exists()
 
 
 def test_resume_with_no_checkpoint_fails_before_any_rank_starts_naming_the_folder(zerotrain_cli, tmp_path):
@@ -127,11 +165,9 @@ def test_a_foreground_run_refuses_a_folder_with_a_live_run(zerotrain_cli, tmp_pa
 
 
 @pytest.mark.slow
-def test_resume_with_another_global_batch_or_schedule_says_old_and_new(zerotrain_cli, tmp_path):
-    run = tmp_path / "run"
-    _train(zerotrain_cli, run, "--training.max_steps", "2")
-    proc = _train(zerotrain_cli, run, "--resume", "--training.max_steps", "4", "--training.micro_batch_size", "8")
-    said = proc.stdout + proc.stderr
+@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 4 runs
+def test_resume_with_another_global_batch_or_schedule_says_old_and_new(rerun):
+    said = rerun.resumed.stdout + rerun.resumed.stderr  # 2 steps of 4 samples, resumed with 8 to step 4
     assert "global batch (samples per step): 4 → 8" in said
     assert "total steps: 2 → 4" in said
 
@@ -178,17 +214,9 @@ def test_ctrl_c_or_sigterm_saves_the_current_step_and_says_how_to_resume(tmp_pat
     assert _latest(run) == f"step{step}" and step >= 2
 
 
-@pytest.mark.slow
-def test_detach_reports_started_only_once_the_ranks_are_up(zerotrain_cli, tmp_path):
-    run = tmp_path / "run"
-    proc = _train(zerotrain_cli, run, "--nproc_per_node", "2", "--training.max_steps", "100000",
-                  "--training.save_interval", "0", "--detach")
-    try:
-        assert proc.stdout.startswith("started in the background"), proc.stdout + proc.stderr
-        assert (run / "train.started").exists()  # written by rank 0 once every engine is built
-    finally:
-        stop = zerotrain_cli("stop", run, timeout=200)
-        assert stop.returncode == 0, stop.stderr
+# That --detach reports "started" only once the ranks are up (train.started written) is checked by
+# tests/train/test_train_job.py::test_detached_run_is_followed_and_stopped_cleanly_after_a_checkpoint,
+# on the detached run it follows and stops.
 
 
 @pytest.mark.slow

@@ -82,23 +82,38 @@ def test_embedded_default_trains_to_the_end_and_writes_a_loadable_model(tmp_path
     assert (tmp_path / "sft" / "hf" / "tokenizer.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, str]:
+    """The SHORT job run whole on 2 CPU processes, with TensorBoard on and a `--master_port` given:
+    (its folder, the process, the port). Shared by the crash/resume test (the losses to reproduce)
+    and the rendezvous flag test (how many processes the flag left it)."""
+    from free_ports import free_port
+
+    root, port = tmp_path_factory.mktemp("uninterrupted"), str(free_port())
+    proc = _train(root, "whole", *SHORT, "--logging.tensorboard.enabled", "true", "--master_port", port,
+                  env=device_env("cpu"))
+    return root / "whole", proc, port
+
+
 @pytest.mark.timeout(600)
-def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(tmp_path):
-    _train(tmp_path, "whole", *SHORT, "--logging.tensorboard.enabled", "true")
-    crashed = _train(tmp_path, "resumed", *SHORT, env={"ZEROTRAIN_TEST_CRASH_AFTER_STEP": "10"}, check=False)
+def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(tmp_path, uninterrupted, monkeypatch):
+    for name, value in device_env("cpu").items():  # the uninterrupted run's CPU world, for every run here
+        monkeypatch.setenv(name, value)
+    crashed = _train(tmp_path, "resumed", *SHORT, env={"ZEROTRAIN_FAULT": "after_step:all:10"}, check=False)
     assert crashed.returncode != 0
     run = tmp_path / "resumed"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step8"
     _train(tmp_path, "resumed", *SHORT, "--resume")
 
-    whole, resumed = _rows(tmp_path / "whole" / "metrics.csv"), _rows(run / "metrics.csv")
+    whole_dir = uninterrupted[0]
+    whole, resumed = _rows(whole_dir / "metrics.csv"), _rows(run / "metrics.csv")
     assert [int(r["step"]) for r in resumed] == list(range(1, 13))  # rows 9-10 of the crashed run replaced
     for a, b in zip(whole, resumed):
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-6, abs=1e-7), a["step"]
     fields = ["step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "tflops",
               "mem_alloc_gb_r0", "mem_peak_gb_r0", "mem_alloc_gb_r1", "mem_peak_gb_r1"]
     assert all(r[f] != "" for r in whole for f in fields)
-    assert list((tmp_path / "whole" / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((whole_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.timeout(300)
@@ -106,7 +121,10 @@ def test_detached_run_is_followed_and_stopped_cleanly_after_a_checkpoint(tmp_pat
     run = tmp_path / "bg"
     args = ["--training.max_steps", "100000", "--training.save_interval", "0", "--training.eval_interval", "0",
             "--training.micro_batch_size", "4", "--data.synthetic.num_examples", "2000"]
-    started = _train(tmp_path, "bg", *args, "--detach")
+    started = _train(tmp_path, "bg", *args, "--nproc_per_node", "2", "--detach")
+    # "started" only once the ranks are up: rank 0 writes train.started once every engine is built
+    assert started.stdout.startswith("started in the background"), started.stdout + started.stderr
+    assert (run / "train.started").exists()
     assert "zerotrain logs" in started.stdout
     pid = int((run / "train.pid").read_text())
     deadline = time.time() + 180
@@ -133,18 +151,13 @@ def test_bad_data_stops_the_job_with_its_message_not_a_traceback(tmp_path):
     assert "bad.jsonl" in proc.stderr and "line 2" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("flag", ["--master_port"])  # --master_addr takes the same path
-def test_a_rendezvous_flag_never_changes_how_many_processes_a_local_run_starts(tmp_path, flag):
+# --master_addr takes the same path as --master_port
+def test_a_rendezvous_flag_never_changes_how_many_processes_a_local_run_starts(uninterrupted):
     # `--master_port` used to send the run down the multi-node path, whose CPU default was 1 process.
-    from free_ports import free_port
-
-    value = str(free_port()) if flag == "--master_port" else "127.0.0.1"
-    proc = _train(tmp_path, "run", "--training.max_steps", "1", "--training.eval_interval", "0",
-                  "--data.synthetic.num_examples", "400", flag, value, env=device_env("cpu"))
+    _, proc, port = uninterrupted  # a local run given --master_port, no --nproc_per_node
     assert "zerotrain launch: 2 processes" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert "; 2 ranks," in proc.stdout, proc.stdout[-2000:]
-    if flag == "--master_port":
-        assert f"127.0.0.1:{value}" in proc.stderr + proc.stdout
+    assert f"127.0.0.1:{port}" in proc.stderr + proc.stdout
 
 
 def test_batch_sizes_that_do_not_multiply_out_at_the_world_size_fail_before_any_rank(tmp_path):
