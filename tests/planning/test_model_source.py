@@ -108,6 +108,7 @@ def test_zerotrain_estimate_command_prints_deepspeeds_tables_for_a_model_section
     assert missing.returncode == 2 and "no/such/model_dir" in missing.stderr
 
 
+@pytest.mark.slow  # a console-script run per shipped model
 def test_the_shipped_models_are_found_by_name_from_any_folder(zerotrain_cli):
     # The docs' examples name them so: they run from outside the checkout, the configs ship in the package.
     done = zerotrain_cli("estimate", "llama-2-7b", "--json", check=True)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from zerotrain.train.step_prediction import comparison
 
 PROBE = {"kind": "zerotrain-bench-compute", "version": 1, "device": "cpu (test)", "device_type": "cpu",
          "matmul_tflops": 0.01, "cpu_adam_elements_per_s": 2e8, "device_adam_elements_per_s": 2e8}
 
 
+@pytest.mark.slow  # a whole two-rank run; the missing-probe case below keeps the area in `make check`
 def test_a_run_with_a_compute_probe_says_measured_against_predicted_once(zerotrain_cli):
     probe = zerotrain_cli.cwd / "compute.json"
     probe.write_text(json.dumps(PROBE))
