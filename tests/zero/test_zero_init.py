@@ -34,7 +34,7 @@ def _gathered(engine) -> dict[str, torch.Tensor]:
 def _train_under_init() -> dict:
     import torch.distributed as dist
 
-    from zerotrain import initialize  # loaded on first use: import it here, outside the measured window
+    import zerotrain
     from zerotrain.comm.distributed import init_distributed
     from zerotrain.zero import Init
 
@@ -268,7 +268,7 @@ def test_peak_memory_without_init_holds_the_whole_model():
 
 
 def _adapter_added_after_init(stage: int) -> dict:
-    from zerotrain import initialize  # loaded on first use: import it here, outside the measured window
+    import zerotrain
     from zerotrain.comm.distributed import init_distributed
 
     rank = init_distributed().rank
