@@ -20,7 +20,7 @@ from checkpoint_fixtures import (
 from safetensors.torch import load_file
 
 from zerotrain.checkpoint import CheckpointError, consolidate, export_hf, load_consolidated_state_dict
-from zerotrain.checkpoint.consolidate import parse_size
+from zerotrain.config.byte_sizes import parse_byte_size as parse_size
 from zerotrain.checkpoint.layout import META, shard_file
 
 REPO = Path(__file__).resolve().parents[2]

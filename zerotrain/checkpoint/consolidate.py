@@ -36,10 +36,6 @@ from zerotrain.config.byte_sizes import parse_byte_size
 from zerotrain.system.durable_files import fsync_path, rename_durably
 from zerotrain.system.processes import process_alive
 
-# --max-shard-size is read by the one size rule (config/byte_sizes.py): "5GB" = 5e9 bytes, as Hugging Face
-# and DeepSpeed read it; hf_export and zero_to_fp32 import it under this name.
-parse_size = parse_byte_size
-
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -330,7 +326,7 @@ def consolidate(
     Trainable parameters come from their fp32 masters cast to `dtype`; frozen
     parameters and buffers as stored (floats cast to `dtype`). Tied weights appear once.
     """
-    out_dtype, max_bytes = resolve_dtype(dtype), parse_size(max_shard_size)
+    out_dtype, max_bytes = resolve_dtype(dtype), parse_byte_size(max_shard_size)
     with open_checkpoint_reader(checkpoint_dir, tag) as reader:
         return write_consolidated_weights(reader, Path(output), out_dtype, max_bytes, progress)
 

@@ -25,12 +25,12 @@ from zerotrain.checkpoint.consolidate import (
     WEIGHTS_NAME,
     ProgressCallback,
     open_checkpoint_reader,
-    parse_size,
     resolve_dtype,
     stage_weights,
     staged_output,
 )
 from zerotrain.checkpoint.errors import CheckpointError
+from zerotrain.config.byte_sizes import parse_byte_size
 from zerotrain.checkpoint.reader import CheckpointReader
 
 TOKENIZER_DIR = "tokenizer"  # beside the tags in a checkpoint folder: the run's tokenizer
@@ -172,7 +172,7 @@ def export_hf(
         # Weights, config and tokenizer appear together (see staged_output): a killed export leaves no
         # folder, or one without config.json, never a config beside half the weights.
         with staged_output(output_dir, WEIGHTS_NAME) as stage:
-            names = stage_weights(reader, stage, WEIGHTS_NAME, out_dtype, parse_size(max_shard_size), progress, rename)
+            names = stage_weights(reader, stage, WEIGHTS_NAME, out_dtype, parse_byte_size(max_shard_size), progress, rename)
             dtype_name = str(out_dtype).removeprefix("torch.")
             config["dtype"] = dtype_name  # what from_pretrained(dtype="auto") will load as
             if "torch_dtype" in config:

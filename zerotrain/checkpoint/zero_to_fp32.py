@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 
 from zerotrain.checkpoint.consolidate import (
-    UNMAP_EVERY_BYTES, PlannedTensor, ProgressCallback, open_checkpoint_reader, parse_size, plan_tensors, read_tensor,
+    UNMAP_EVERY_BYTES, PlannedTensor, ProgressCallback, open_checkpoint_reader, plan_tensors, read_tensor,
     resolve_dtype, write_consolidated_weights,
 )
 from zerotrain.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from zerotrain.config.byte_sizes import parse_byte_size
 from zerotrain.checkpoint.layout import LATEST, META
 from zerotrain.checkpoint.reader import CheckpointReader, checkpoint_tags
 
@@ -221,7 +222,7 @@ def convert_zero_checkpoint_to_state_dict(
     """
     out_dtype = resolve_dtype(dtype)
     target, single_file = _output_target(output_dir, output_file, safe_serialization)
-    max_bytes = sys.maxsize if single_file or max_shard_size is None else parse_size(max_shard_size)
+    max_bytes = sys.maxsize if single_file or max_shard_size is None else parse_byte_size(max_shard_size)
     with open_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters) as reader:
         return write_consolidated_weights(reader, target, out_dtype, max_bytes, progress)  # the suffix picks the format
 

@@ -83,7 +83,7 @@ def pick_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def choose_master_port(requested: int | None, console: Console) -> int:
+def choose_master_port(requested: int | None) -> int:
     """The rendezvous port of a one-machine job whose store another process binds (a node agent's):
     the user's, else one free now. Not 29500: jobs started together would all aim at it."""
     if requested is not None:

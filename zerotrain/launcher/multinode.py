@@ -225,7 +225,7 @@ def _launch_here_with_agent(request: ClusterLaunch, local: LocalLaunch, console:
     check_target(local)
     nproc = local.nproc or max(1, visible_gpu_count())
     node = Node(host=socket.gethostname(), slots=tuple(range(nproc)), node_rank=0, first_rank=0)
-    port = choose_master_port(request.master_port, console)
+    port = choose_master_port(request.master_port)
     job_id = os.environ.get(JOB_ID_ENV) or uuid.uuid4().hex[:12]
     (job,) = node_jobs(request, [node], local.master_addr, port, _job_environment(request, console), job_id)
     agent = [sys.executable, "-u", "-m", "zerotrain.launcher.node_agent"]
