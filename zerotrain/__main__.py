@@ -1,8 +1,6 @@
 """`python -m zerotrain ...`: the same as the `zerotrain` command."""
 
-import sys
-
-from zerotrain.cli.main import main
+from zerotrain.cli.main import console_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zerotrain.system.process_exit import exit_now
 from zerotrain.bench.bandwidth import (
     COLLECTIVES, DEFAULT_MAX_SIZE_CPU, DEFAULT_MAX_SIZE_GPU, DEFAULT_MIN_SIZE, ELEMENT_SIZE, MARKER, bandwidth_row,
     collective_bytes, element_counts, parse_size, size_list,
@@ -164,4 +165,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A finished rank leaves without the interpreter's teardown (zerotrain/system/process_exit.py);
+    # a failed one exits as before, so the launcher's bootstrap notes when it failed.
+    status = main()
+    if status == 0:
+        exit_now(0)
+    sys.exit(status)

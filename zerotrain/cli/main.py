@@ -23,6 +23,7 @@ from zerotrain.checkpoint.consolidate_command import add_consolidate_parser
 from zerotrain.cli.config_check import add_config_parser, parse_overrides  # noqa: F401 - parse_overrides is API
 from zerotrain.launcher.launch_command import add_launch_parser
 from zerotrain.config.error_report import UNEXPECTED_EXIT_CODE, print_user_error
+from zerotrain.system.process_exit import run_then_exit
 
 # What a shell reports for a program stopped by SIGPIPE (128 + 13), as `yes | head -1` gives.
 BROKEN_PIPE_EXIT_CODE = 141
@@ -86,6 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - the last stop before a traceback reaches the user
         print_user_error(command, error)
         return UNEXPECTED_EXIT_CODE
+
+
+def console_main() -> None:
+    """The `zerotrain` console script and `python -m zerotrain`: `main`, then the process ends
+    without the interpreter's teardown (about 1.5 s once torch is imported; see
+    zerotrain/system/process_exit.py). In-process callers use `main`, which returns."""
+    run_then_exit(main)
 
 
 def _run(argv: list[str]) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
+
+from zerotrain.system.process_exit import exit_now
 from pathlib import Path
 
 
@@ -39,4 +41,9 @@ def _leave_prediction(config: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A finished rank leaves without the interpreter's teardown (zerotrain/system/process_exit.py);
+    # a failed one exits as before, so the launcher's bootstrap notes when it failed.
+    status = main()
+    if status == 0:
+        exit_now(0)
+    sys.exit(status)

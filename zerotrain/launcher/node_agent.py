@@ -32,6 +32,7 @@ from pathlib import Path
 
 from zerotrain.compat.deepspeed_standin import with_standin
 from zerotrain.launcher.job_processes import job_processes, kill_job_processes, signal_processes
+from zerotrain.system.process_exit import run_then_exit
 from zerotrain.launcher.node_job import DUMP_STACKS_COMMAND, JOB_ID_ENV, NODE_RANK_ENV, RESULT_MARK, NodeJob
 
 # How long the agent gets to stop its ranks (it sends them SIGTERM) before every process
@@ -245,4 +246,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)  # without the interpreter's teardown: zerotrain/system/process_exit.py

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from zerotrain.system.process_exit import exit_now
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zerotrain.train.worker")
@@ -23,4 +25,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A finished rank leaves without the interpreter's teardown (zerotrain/system/process_exit.py);
+    # a failed one exits as before, so the launcher's bootstrap notes when it failed.
+    status = main()
+    if status == 0:
+        exit_now(0)
+    sys.exit(status)
