@@ -16,6 +16,7 @@ $(VENV)/.torch-$(firstword $(TORCH)):
 
 $(VENV)/.installed: $(VENV)/.torch-$(firstword $(TORCH)) pyproject.toml
 	$(PIP) install -e ".[dev]"
+	$(PY) -m compileall -q zerotrain  # this machine may not write .pyc files (PYTHONDONTWRITEBYTECODE): every process would compile zerotrain again
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,10 +1,14 @@
 """TRL's trainers on zerotrain, launched as their users launch them, against TRL on plain DDP.
 
 A tiny Llama with a word-level tokenizer is built in the test (nothing is downloaded); the script
-is tests/fixtures/scripts/trl_job.py (SFT, DPO or reward model); 2 CPU ranks; `zerotrain launch`
-with the DeepSpeed config passed as `TrainingArguments(deepspeed=...)`; the reference is the same
-script under `torchrun`, no DeepSpeed. TRL turns bf16 on by default: zerotrain then trains bf16
-weights with an fp32 master, DDP fp32 weights under autocast, so losses agree to bf16's precision.
+is tests/fixtures/scripts/trl_job.py, a pipeline that trains SFT, DPO, a reward model and GRPO one
+after another in the same processes, each as it would train alone. 2 CPU ranks, four launches in
+all, each run once for the module: `zerotrain launch` with a ZeRO-2 and with a ZeRO-3 DeepSpeed
+config passed as `TrainingArguments(deepspeed=...)`, `accelerate launch` with an accelerate config
+for ZeRO-3 + CPU offload under `zerotrain run`, and the reference, the same script under `torchrun`,
+no DeepSpeed. The tests compare each trainer's losses, one test per trainer and launch. TRL turns
+bf16 on by default: zerotrain then trains bf16 weights with an fp32 master, DDP fp32 weights under
+autocast, so losses agree to bf16's precision.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,6 +31,8 @@ SCRIPT = FIXTURES / "scripts" / "trl_job.py"
 TOLERANCE = {"sft": 1e-3, "dpo": 1e-3, "reward": 5e-3, "grpo": None}
 """Relative, per logged loss. The reward model's pairwise loss is computed from bf16 scores here;
 DeepSpeed itself lands 3e-3 from DDP on it. GRPO's loss is near 0: compared to 1e-5 absolute."""
+TRAINERS = ",".join(TOLERANCE)
+"""Every trainer, in one launch: SFT, DPO, reward model, GRPO (the script's order of a pipeline)."""
 _AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
          "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
 CONFIGS = {
@@ -34,6 +41,44 @@ CONFIGS = {
 }
 """ZeRO-3 with both offloads runs for every trainer in test_trl_trainer_through_accelerate_launch_matches_ddp
 (with zero.Init too), so it is not repeated here."""
+ACCELERATE = "accelerate-zero3-offload"
+TIMEOUT_S = 600
+"""For one launch of all four trainers (about a minute alone on 2 cores; the suite runs beside it)."""
+
+
+@dataclass
+class Launch:
+    """One finished launch of trl_job.py: its command, exit status, output and results folder."""
+
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    def losses(self, trainer: str) -> list[float]:
+        """The trainer's logged losses (and, for GRPO, its rewards after them); a failure naming
+        the trainer, the exit status and the trainer's part of stderr if it wrote none."""
+        losses = self.out / trainer / "losses.json"
+        if not losses.exists():
+            started = f"trl_job: {trainer} starts" in self.stderr
+            what = "started and wrote no" if started else "never started (a trainer before it failed): no"
+            pytest.fail(f"{trainer} {what} {losses}: `{' '.join(self.command)}` exited {self.returncode}\n"
+                        f"{self.stdout[-2000:]}\n{self.stderr_of(trainer)}", pytrace=False)
+        rewards = self.out / trainer / "rewards.json"
+        return json.loads(losses.read_text()) + (json.loads(rewards.read_text()) if rewards.exists() else [])
+
+    def stderr_of(self, trainer: str) -> str:
+        """The end of stderr from the line the script prints as `trainer` starts (all of it if
+        the launch ended before): a failing trainer's traceback, without the earlier trainers' logs."""
+        start = self.stderr.find(f"trl_job: {trainer} starts")
+        return self.stderr[max(start, 0):][-6000:]
+
+
+def _launch(command: list[str], cwd: Path, out: Path) -> Launch:
+    done = subprocess.run(command, cwd=cwd, env=user_env(**device_env("cpu")), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    return Launch(command, done.returncode, done.stdout, done.stderr, out)
 
 
 def _tiny_llama(folder: Path) -> Path:
@@ -57,47 +102,48 @@ def _tiny_llama(folder: Path) -> Path:
     return model_dir
 
 
-def _losses(command: list[str], cwd: Path, out: Path) -> list[float]:
-    """The run's logged losses (and, for GRPO, its rewards after them)."""
-    done = subprocess.run(command, cwd=cwd, env=user_env(**device_env("cpu")), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, f"{' '.join(command)}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
-    rewards = out / "rewards.json"
-    return json.loads((out / "losses.json").read_text()) + (json.loads(rewards.read_text()) if rewards.exists() else [])
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return _tiny_llama(tmp_path_factory.mktemp("trl"))
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    """The model folder, and a function giving a TRL trainer's losses on plain DDP (torchrun, no
-    DeepSpeed), each run once."""
-    folder = tmp_path_factory.mktemp("trl")
-    model_dir = _tiny_llama(folder)
-    runs: dict[str, list[float]] = {}
-
-    def losses(trainer: str) -> list[float]:
-        if trainer not in runs:
-            out = folder / f"ddp-{trainer}"
-            command = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPT),
-                       trainer, str(model_dir), str(out)]
-            runs[trainer] = _losses(command, folder, out)
-        return runs[trainer]
-
-    return model_dir, losses
+def ddp(model_dir, tmp_path_factory) -> Launch:
+    """Every trainer on plain DDP (torchrun, no DeepSpeed), in one launch: the reference."""
+    folder = tmp_path_factory.mktemp("ddp")
+    command = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPT), TRAINERS,
+               str(model_dir), str(folder / "out")]
+    return _launch(command, folder, folder / "out")
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("trainer", list(TOLERANCE))
-def test_trl_trainer_matches_ddp(ddp, tmp_path, trainer, name):
-    # Stage 3 used to stop in TRL's lm-head gather (`ds_status` missing on a whole parameter), for
-    # DPO's reference model on the dotted keys TRL adds to its config, and for GRPO's generation on
-    # `optimizer.parameter_offload` (its rewards come from generations on the gathered policy).
-    model_dir, reference_of = ddp
-    reference = reference_of(trainer)
-    config = tmp_path / f"{name}.json"
-    config.write_text(json.dumps(CONFIGS[name]))
-    out = tmp_path / "out"
-    losses = _losses([zerotrain_script(), "launch", "--num_gpus", "2", "--master_port", str(free_port()),
-                      str(SCRIPT), trainer, str(model_dir), str(out), str(config)], tmp_path, out)
+@pytest.fixture(scope="module")
+def zerotrain_runs(model_dir, tmp_path_factory):
+    """A function giving the launch named `name` (a CONFIGS key or ACCELERATE) of every trainer on
+    zerotrain, each launched once for the module."""
+    runs: dict[str, Launch] = {}
+
+    def launched(name: str) -> Launch:
+        if name not in runs:
+            folder = tmp_path_factory.mktemp(name)
+            out = folder / "out"
+            if name == ACCELERATE:
+                cwd = folder / "cwd"
+                shutil.copytree(FIXTURES / "configs" / "accelerate", cwd)
+                command = [zerotrain_script(), "run", "accelerate", "launch", "--config_file", "zero3_offload.yaml",
+                           "--main_process_port", str(free_port()), str(SCRIPT), TRAINERS, str(model_dir), str(out)]
+            else:
+                cwd = folder
+                config = folder / f"{name}.json"
+                config.write_text(json.dumps(CONFIGS[name]))
+                command = [zerotrain_script(), "launch", "--num_gpus", "2", "--master_port", str(free_port()),
+                           str(SCRIPT), TRAINERS, str(model_dir), str(out), str(config)]
+            runs[name] = _launch(command, cwd, out)
+        return runs[name]
+
+    return launched
+
+
+def _assert_matches_ddp(losses: list[float], reference: list[float], trainer: str) -> None:
     assert len(losses) == len(reference) == (12 if trainer == "grpo" else 6)
     if trainer == "grpo":
         assert losses == pytest.approx(reference, abs=1e-5)
@@ -105,19 +151,26 @@ def test_trl_trainer_matches_ddp(ddp, tmp_path, trainer, name):
         assert losses == pytest.approx(reference, rel=TOLERANCE[trainer])
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("trainer", list(TOLERANCE))
-def test_trl_trainer_through_accelerate_launch_matches_ddp(ddp, tmp_path, trainer):
+def test_trl_trainer_matches_ddp(ddp, zerotrain_runs, trainer, name):
+    # Stage 3 used to stop in TRL's lm-head gather (`ds_status` missing on a whole parameter), for
+    # DPO's reference model on the dotted keys TRL adds to its config, and for GRPO's generation on
+    # `optimizer.parameter_offload` (its rewards come from generations on the gathered policy).
+    _assert_matches_ddp(zerotrain_runs(name).losses(trainer), ddp.losses(trainer), trainer)
+
+
+@pytest.mark.parametrize("trainer", list(TOLERANCE))
+def test_trl_trainer_through_accelerate_launch_matches_ddp(ddp, zerotrain_runs, trainer):
     """`accelerate launch` with an `accelerate config` for ZeRO-3 + CPU offload and zero.Init (the
     DeepSpeed plugin supplies the config; the script passes none), under `zerotrain run`."""
-    model_dir, reference_of = ddp
-    reference = reference_of(trainer)
-    cwd = tmp_path / "cwd"
-    shutil.copytree(FIXTURES / "configs" / "accelerate", cwd)
-    out = tmp_path / "out"
-    losses = _losses([zerotrain_script(), "run", "accelerate", "launch", "--config_file", "zero3_offload.yaml",
-                      "--main_process_port", str(free_port()), str(SCRIPT), trainer, str(model_dir), str(out)],
-                     cwd, out)
-    if trainer == "grpo":
-        assert losses == pytest.approx(reference, abs=1e-5)
-    else:
-        assert losses == pytest.approx(reference, rel=TOLERANCE[trainer])
+    _assert_matches_ddp(zerotrain_runs(ACCELERATE).losses(trainer), ddp.losses(trainer), trainer)
+
+
+@pytest.mark.parametrize("name", [*CONFIGS, ACCELERATE])
+def test_trl_pipeline_on_zerotrain_exits_0(zerotrain_runs, name):
+    """zerotrain's runs end normally, as DeepSpeed scripts do, after the last trainer (the script
+    checks each trainer ran on the DeepSpeed engine, zerotrain's, and raises if one did not)."""
+    launch = zerotrain_runs(name)
+    assert launch.returncode == 0, (f"`{' '.join(launch.command)}`: exit {launch.returncode}\n"
+                                    f"{launch.stdout[-2000:]}\n{launch.stderr[-6000:]}")
