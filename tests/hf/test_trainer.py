@@ -3,9 +3,10 @@
 A user's Trainer script (tests/fixtures/scripts/hf_trainer_job.py) and DeepSpeed configs as
 the transformers docs write them ("auto" everywhere, tests/fixtures/configs/hf/) are started
 with `zerotrain launch` (or `zerotrain run torchrun`) on 2 Gloo ranks, where no DeepSpeed is
-installed. In fp32 each ZeRO stage must train exactly as the Trainer's own DDP does on the same
-data: same loss at every step, resumable from its checkpoints, and `save_model` must write
-weights `from_pretrained` loads.
+installed; the runs started the same way share one launch, trained one after another. In fp32
+each ZeRO stage must train exactly as the Trainer's own DDP does on the same data: same loss at
+every step, resumable from its checkpoints, and `save_model` must write weights
+`from_pretrained` loads.
 
 A config's "scheduler" section (WarmupDecayLR) is DeepSpeed's schedule, not HF's: DeepSpeed
 writes lr 0 before the first step and advances from iteration 0 after it, so it runs one step
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from conftest import on_gpu
-from trainer_fixture import STEPS, TrainerJobs, TrainerRun, job_module
+from trainer_fixture import STEPS, Runs, TrainerJobs, TrainerRun, job_module
 
 from zerotrain.compat.deepspeed_standin import STANDIN_DIR
 
@@ -32,8 +33,10 @@ pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, 
 
 LOSS_TOLERANCE = 1e-4
 
-# name -> (how it is started, extra job arguments). Each runs at most once per module.
-RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
+# name -> (how it is started, extra job arguments). Each runs at most once per module, in one
+# launch with the others started the same way, in this order: a stage-2 run after a stage-3 one
+# and the reverse (each loads as its own config says), a resumed run after the one it resumes.
+RUNS: Runs = {
     "ddp": ("torchrun", ("--use_cpu", "--save_model_to", "ddp/final")),
     # The reference for configs with a scheduler section: DeepSpeed's WarmupDecayLR runs one
     # step behind HF's linear schedule (lr 0 for two steps), in DeepSpeed as in zerotrain.
@@ -41,8 +44,8 @@ RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero1": ("run-torchrun", ("--deepspeed", "zero1.json")),
     "zero2": ("launch", ("--deepspeed", "zero2.json", "--save_model_to", "zero2/final",
                          "--save_strategy", "steps", "--save_steps", "4")),
-    "zero2-offload": ("launch", ("--deepspeed", "zero2-offload.json")),
     "zero3": ("launch", ("--deepspeed", "zero3.json", "--save_model_to", "zero3/final", "--generate")),
+    "zero2-offload": ("launch", ("--deepspeed", "zero2-offload.json")),
     "zero3-optim-sched": ("launch", ("--deepspeed", "zero3-optim-sched.json",
                                      "--save_strategy", "steps", "--save_steps", "4")),
     "zero3-offload": ("launch", ("--deepspeed", "zero3-offload.json")),
@@ -62,12 +65,11 @@ RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
 @pytest.fixture(scope="module", params=["cpu", on_gpu("gpu", "gpu-1process")])
 def jobs(request, tmp_path_factory) -> TrainerJobs:
     """2 CPU ranks; on a GPU, one rank, with the Trainer's own single-GPU run as the reference."""
-    return TrainerJobs(tmp_path_factory.mktemp("hf-trainer"), device=request.param)
+    return TrainerJobs(tmp_path_factory.mktemp("hf-trainer"), device=request.param, runs=RUNS)
 
 
 def trained(jobs: TrainerJobs, name: str) -> TrainerRun:
-    how, args = RUNS[name]
-    return jobs.run(name, *args, how=how)
+    return jobs.run(name)
 
 
 def assert_losses_match(actual: list[float], expected: list[float], what: str) -> None:
@@ -106,6 +108,7 @@ def test_trainer_with_a_deepspeed_config_trains_like_the_trainers_own_ddp(jobs, 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gradient_accumulation_steps_train_like_a_bigger_micro_batch(jobs, stage):
     whole, accumulated = trained(jobs, f"zero{stage}"), trained(jobs, f"zero{stage}-accumulate")
+    assert accumulated.result["partitioned_at_load"] == (stage == 3)  # after a run of the other stage
     assert_losses_match(accumulated.losses, whole.losses, "2 x 4 accumulated vs 8 x 1")
     assert_losses_match(accumulated.losses, trained(jobs, "ddp").losses, "2 x 4 accumulated vs DDP 8 x 1")
 

@@ -5,6 +5,10 @@ From a temporary folder holding the script, a tiny pretrained Llama and the Deep
 `zerotrain run torchrun --nproc_per_node 2 hf_trainer_job.py ...`, and, for the reference,
 plain `torchrun` with `--use_cpu` and no DeepSpeed: the Trainer's own DDP.
 Commands are found in the venv's bin/ (first on PATH), as after `source .venv/bin/activate`.
+
+Every rank of a launch pays the start-up of torch, transformers and Accelerate (longer than a
+run's training), so the named runs started the same way share one launch: the script trains
+them one after another in the same processes (`--runs`), each as in a process of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import FIXTURES, device_env, user_env, zerotrain_script
@@ -26,6 +31,8 @@ CONFIGS = FIXTURES / "configs" / "hf"
 RANKS = 2
 """Ranks of a CPU job; a GPU job has one (the GPU check's machine has one GPU)."""
 STEPS = 8
+LAUNCH_TIMEOUT_S, RUN_TIMEOUT_S = 240, 120
+"""A launch of one run, and each further run in a launch (seconds; the suite runs beside it on 2 cores)."""
 
 COMMON_ARGS = (
     "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",  # 2 ranks: 16 a step
@@ -34,6 +41,9 @@ COMMON_ARGS = (
     "--seed", "0", "--data_seed", "0", "--dataloader_drop_last",
 )
 """TrainingArguments every run shares (a later flag on the command line wins)."""
+
+Runs = dict[str, tuple[str, tuple[str, ...]]]
+"""name -> (how it is started: 'launch', 'run-torchrun' or 'torchrun'; its extra job arguments)."""
 
 
 def tiny_llama_config():
@@ -66,9 +76,21 @@ def job_module():
     return sys.modules["hf_trainer_job"]
 
 
+def check_resumes_follow_their_runs(runs: Runs) -> None:
+    """A run resuming from RUN/checkpoint-N must share RUN's launch and come after it in `runs`."""
+    for position, (name, (how, args)) in enumerate(runs.items()):
+        if "--resume_from_checkpoint" not in args:
+            continue
+        resumed = Path(args[args.index("--resume_from_checkpoint") + 1]).parts[0]
+        earlier = [n for n, (h, _) in list(runs.items())[:position] if h == how]
+        if resumed not in earlier:
+            raise ValueError(f"run {name!r} resumes from a checkpoint of {resumed!r}: list {resumed!r} before it "
+                             f"in RUNS, started the same way ({how!r}), so that its launch writes the checkpoint first")
+
+
 @dataclass
 class TrainerRun:
-    """One finished job: rank 0's JSON results, its --output_dir, and the process (stdout/stderr)."""
+    """One finished run: rank 0's JSON results, its --output_dir, and its launch's process (stdout/stderr)."""
 
     result: dict
     output_dir: Path
@@ -80,18 +102,21 @@ class TrainerRun:
 
 
 class TrainerJobs:
-    """Starts the job script in `workdir`; `run(name, ...)` runs once per name and caches the result,
-    so tests of one module share runs (one DDP reference for every parity test)."""
+    """Starts the job script in `workdir`. `run(name)` runs each of `runs` once: on its first call, every
+    run started the same way, in one launch in the order of `runs`, so tests of one module share runs
+    (one DDP reference for every parity test) and launches."""
 
-    def __init__(self, workdir: Path, device: str = "cpu") -> None:
+    def __init__(self, workdir: Path, device: str = "cpu", runs: Runs | None = None) -> None:
         self.cwd = workdir
         self.device = device
         self.ranks = 1 if device == "gpu" else RANKS
+        self.runs: Runs = dict(runs or {})
+        check_resumes_follow_their_runs(self.runs)
         shutil.copy(JOB_SCRIPT, workdir / JOB_SCRIPT.name)
         for config in CONFIGS.glob("*.json"):
             shutil.copy(config, workdir / config.name)
         self.model_dir = save_tiny_llama(workdir / "tiny-llama")
-        self._runs: dict[str, TrainerRun] = {}
+        self._launched: dict[str, subprocess.CompletedProcess] = {}
 
     def launcher(self, how: str) -> list[str]:
         """The command that starts the script on its ranks: 'launch', 'run-torchrun' or 'torchrun' (no stand-in)."""
@@ -104,25 +129,58 @@ class TrainerJobs:
             return torchrun
         raise ValueError(how)
 
-    def start(self, name: str, *args: str, how: str = "launch", timeout: float = 240) -> TrainerRun:
-        """Runs the job now (no cache); the caller checks the exit status."""
-        output_dir = self.cwd / name
-        result_file = self.cwd / f"{name}.result.json"  # not `{name}.json`: the configs' names
+    def job_args(self, name: str, *args: str) -> list[str]:
+        """The script's command line for the run `name`; its result file is removed (a fresh one shows it ran)."""
+        result_file = self.result_file(name)
         result_file.unlink(missing_ok=True)
         if self.device == "gpu":  # the reference is the Trainer's own run on the same GPU
             args = tuple(a for a in args if a != "--use_cpu")
-        command = [*self.launcher(how), JOB_SCRIPT.name, "--model_dir", self.model_dir.name,
-                   "--output_dir", name, "--result", result_file.name, *COMMON_ARGS, *args]
-        process = subprocess.run(command, cwd=self.cwd, env=user_env(**device_env(self.device)),
-                                 capture_output=True, text=True, timeout=timeout)
-        result = json.loads(result_file.read_text()) if result_file.exists() else {}
-        return TrainerRun(result, output_dir, process)
+        return ["--model_dir", self.model_dir.name, "--output_dir", name, "--result", result_file.name,
+                *COMMON_ARGS, *args]
 
-    def run(self, name: str, *args: str, how: str = "launch") -> TrainerRun:
-        """Runs the job once per `name` (later calls return the first run); it must succeed."""
-        if name not in self._runs:
-            done = self.start(name, *args, how=how)
-            out, err = done.process.stdout[-3000:], done.process.stderr[-6000:]
-            assert done.process.returncode == 0, f"{name}: exit {done.process.returncode}\n{out}\n{err}"
-            self._runs[name] = done
-        return self._runs[name]
+    def result_file(self, name: str) -> Path:
+        """Where the run `name` writes its results (rank 0)."""
+        return self.cwd / f"{name}.result.json"  # not `{name}.json`: the configs' names
+
+    def finished(self, name: str) -> TrainerRun:
+        """The run's results as its launch left them ({} if it wrote none)."""
+        result_file = self.result_file(name)
+        result = json.loads(result_file.read_text()) if result_file.exists() else {}
+        return TrainerRun(result, self.cwd / name, self._launched[name])
+
+    def _execute(self, how: str, names: list[str], job_args: list[str], timeout: float) -> None:
+        process = subprocess.run([*self.launcher(how), JOB_SCRIPT.name, *job_args], cwd=self.cwd,
+                                 env=user_env(**device_env(self.device)), capture_output=True, text=True,
+                                 timeout=timeout)
+        self._launched.update(dict.fromkeys(names, process))
+
+    def start(self, name: str, *args: str, how: str = "launch", timeout: float = LAUNCH_TIMEOUT_S) -> TrainerRun:
+        """Runs the job alone in a launch now, from the command line (no cache); the caller checks the exit status."""
+        self._execute(how, [name], self.job_args(name, *args), timeout)
+        return self.finished(name)
+
+    def launch(self, how: str) -> None:
+        """Every run started the way `how`, in one launch (the script's --runs), in the order of `runs`."""
+        names = [name for name, (h, _) in self.runs.items() if h == how]
+        listing = self.cwd / f"{how}.runs.json"
+        listing.write_text(json.dumps([{"name": n, "args": self.job_args(n, *self.runs[n][1])} for n in names],
+                                      indent=1))
+        self._execute(how, names, ["--runs", listing.name], LAUNCH_TIMEOUT_S + RUN_TIMEOUT_S * (len(names) - 1))
+
+    def run(self, name: str) -> TrainerRun:
+        """The run `name` of `runs`, launched once (later calls return the first run); it must have ended
+        on every rank: its launch exited 0, or the run after it started (each run ends in a barrier)."""
+        how = self.runs[name][0]
+        if name not in self._launched:
+            self.launch(how)
+        done = self.finished(name)
+        names = [n for n, (h, _) in self.runs.items() if h == how]
+        after = names[names.index(name) + 1:]
+        stderr = done.process.stderr
+        ended = done.process.returncode == 0 or (after and f"hf_trainer_job: {after[0]} starts" in stderr)
+        if not (ended and done.result):
+            start = stderr.find(f"hf_trainer_job: {name} starts")
+            what = "stopped in it" if start >= 0 else "stopped before it (an earlier run failed)"
+            pytest.fail(f"{name}: its launch (runs {', '.join(names)}) {what}: exit {done.process.returncode}\n"
+                        f"{done.process.stdout[-3000:]}\n{stderr[max(start, 0):][-6000:]}", pytrace=False)
+        return done
