@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, device_env, user_env, zerotrain_script
+from case_launch import CaseLaunch, launch_cases
+from conftest import FIXTURES, zerotrain_script
 from free_ports import free_port
 
 pytest.importorskip("trl", reason="TRL is in the dev extra: pip install -e '.[dev]'")
@@ -43,42 +42,18 @@ CONFIGS = {
 (with zero.Init too), so it is not repeated here."""
 ACCELERATE = "accelerate-zero3-offload"
 TIMEOUT_S = 600
+MARKER = "trl_job"
+"""What the script prints on stderr before each trainer: `trl_job: TRAINER starts`."""
 """For one launch of all four trainers (about a minute alone on 2 cores; the suite runs beside it)."""
 
 
-@dataclass
-class Launch:
-    """One finished launch of trl_job.py: its command, exit status, output and results folder."""
-
-    command: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-    out: Path
-
-    def losses(self, trainer: str) -> list[float]:
-        """The trainer's logged losses (and, for GRPO, its rewards after them); a failure naming
-        the trainer, the exit status and the trainer's part of stderr if it wrote none."""
-        losses = self.out / trainer / "losses.json"
-        if not losses.exists():
-            started = f"trl_job: {trainer} starts" in self.stderr
-            what = "started and wrote no" if started else "never started (a trainer before it failed): no"
-            pytest.fail(f"{trainer} {what} {losses}: `{' '.join(self.command)}` exited {self.returncode}\n"
-                        f"{self.stdout[-2000:]}\n{self.stderr_of(trainer)}", pytrace=False)
-        rewards = self.out / trainer / "rewards.json"
-        return json.loads(losses.read_text()) + (json.loads(rewards.read_text()) if rewards.exists() else [])
-
-    def stderr_of(self, trainer: str) -> str:
-        """The end of stderr from the line the script prints as `trainer` starts (all of it if
-        the launch ended before): a failing trainer's traceback, without the earlier trainers' logs."""
-        start = self.stderr.find(f"trl_job: {trainer} starts")
-        return self.stderr[max(start, 0):][-6000:]
-
-
-def _launch(command: list[str], cwd: Path, out: Path) -> Launch:
-    done = subprocess.run(command, cwd=cwd, env=user_env(**device_env("cpu")), capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    return Launch(command, done.returncode, done.stdout, done.stderr, out)
+def _losses(launch: CaseLaunch, trainer: str) -> list[float]:
+    """The trainer's logged losses (and, for GRPO, its rewards after them), from OUT/TRAINER/."""
+    losses = launch.out / trainer / "losses.json"
+    if not losses.exists():
+        launch.fail_for(trainer, str(losses))
+    rewards = launch.out / trainer / "rewards.json"
+    return json.loads(losses.read_text()) + (json.loads(rewards.read_text()) if rewards.exists() else [])
 
 
 def _tiny_llama(folder: Path) -> Path:
@@ -108,21 +83,21 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ddp(model_dir, tmp_path_factory) -> Launch:
+def ddp(model_dir, tmp_path_factory) -> CaseLaunch:
     """Every trainer on plain DDP (torchrun, no DeepSpeed), in one launch: the reference."""
     folder = tmp_path_factory.mktemp("ddp")
     command = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPT), TRAINERS,
                str(model_dir), str(folder / "out")]
-    return _launch(command, folder, folder / "out")
+    return launch_cases(command, folder, folder / "out", MARKER, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def zerotrain_runs(model_dir, tmp_path_factory):
     """A function giving the launch named `name` (a CONFIGS key or ACCELERATE) of every trainer on
     zerotrain, each launched once for the module."""
-    runs: dict[str, Launch] = {}
+    runs: dict[str, CaseLaunch] = {}
 
-    def launched(name: str) -> Launch:
+    def launched(name: str) -> CaseLaunch:
         if name not in runs:
             folder = tmp_path_factory.mktemp(name)
             out = folder / "out"
@@ -137,7 +112,7 @@ def zerotrain_runs(model_dir, tmp_path_factory):
                 config.write_text(json.dumps(CONFIGS[name]))
                 command = [zerotrain_script(), "launch", "--num_gpus", "2", "--master_port", str(free_port()),
                            str(SCRIPT), TRAINERS, str(model_dir), str(out), str(config)]
-            runs[name] = _launch(command, cwd, out)
+            runs[name] = launch_cases(command, cwd, out, MARKER, TIMEOUT_S)
         return runs[name]
 
     return launched
@@ -157,14 +132,14 @@ def test_trl_trainer_matches_ddp(ddp, zerotrain_runs, trainer, name):
     # Stage 3 used to stop in TRL's lm-head gather (`ds_status` missing on a whole parameter), for
     # DPO's reference model on the dotted keys TRL adds to its config, and for GRPO's generation on
     # `optimizer.parameter_offload` (its rewards come from generations on the gathered policy).
-    _assert_matches_ddp(zerotrain_runs(name).losses(trainer), ddp.losses(trainer), trainer)
+    _assert_matches_ddp(_losses(zerotrain_runs(name), trainer), _losses(ddp, trainer), trainer)
 
 
 @pytest.mark.parametrize("trainer", list(TOLERANCE))
 def test_trl_trainer_through_accelerate_launch_matches_ddp(ddp, zerotrain_runs, trainer):
     """`accelerate launch` with an `accelerate config` for ZeRO-3 + CPU offload and zero.Init (the
     DeepSpeed plugin supplies the config; the script passes none), under `zerotrain run`."""
-    _assert_matches_ddp(zerotrain_runs(ACCELERATE).losses(trainer), ddp.losses(trainer), trainer)
+    _assert_matches_ddp(_losses(zerotrain_runs(ACCELERATE), trainer), _losses(ddp, trainer), trainer)
 
 
 @pytest.mark.parametrize("name", [*CONFIGS, ACCELERATE])

@@ -150,8 +150,8 @@ def test_a_config_value_that_contradicts_the_training_arguments_stops_with_the_t
     (jobs.cwd / "zero2-micro-batch-3.json").write_text(json.dumps(config, indent=2))
 
     failed = jobs.start("mismatch", "--deepspeed", "zero2-micro-batch-3.json")
-    assert failed.process.returncode != 0
-    stderr = failed.process.stderr
+    assert failed.launch.returncode != 0
+    stderr = failed.launch.stderr
     trainers_error = "Please correct the following DeepSpeed config values that mismatch TrainingArguments values"
     assert trainers_error in stderr, stderr[-4000:]
     assert "- ds train_micro_batch_size_per_gpu=3 vs hf per_device_train_batch_size=8" in stderr

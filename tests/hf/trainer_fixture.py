@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FIXTURES, device_env, user_env, zerotrain_script
+from case_launch import CaseLaunch, launch_cases
+from conftest import FIXTURES, zerotrain_script
 from free_ports import free_port
 
 JOB_SCRIPT = FIXTURES / "scripts" / "hf_trainer_job.py"
+MARKER = "hf_trainer_job"
+"""What the script prints on stderr as each run starts: `hf_trainer_job: NAME starts`."""
 CONFIGS = FIXTURES / "configs" / "hf"
 RANKS = 2
 """Ranks of a CPU job; a GPU job has one (the GPU check's machine has one GPU)."""
@@ -90,11 +92,11 @@ def check_resumes_follow_their_runs(runs: Runs) -> None:
 
 @dataclass
 class TrainerRun:
-    """One finished run: rank 0's JSON results, its --output_dir, and its launch's process (stdout/stderr)."""
+    """One finished run: rank 0's JSON results, its --output_dir, and and its launch (exit status, stdout, stderr)."""
 
     result: dict
     output_dir: Path
-    process: subprocess.CompletedProcess
+    launch: CaseLaunch
 
     @property
     def losses(self) -> list[float]:
@@ -116,7 +118,7 @@ class TrainerJobs:
         for config in CONFIGS.glob("*.json"):
             shutil.copy(config, workdir / config.name)
         self.model_dir = save_tiny_llama(workdir / "tiny-llama")
-        self._launched: dict[str, subprocess.CompletedProcess] = {}
+        self._launched: dict[str, CaseLaunch] = {}
 
     def launcher(self, how: str) -> list[str]:
         """The command that starts the script on its ranks: 'launch', 'run-torchrun' or 'torchrun' (no stand-in)."""
@@ -149,10 +151,9 @@ class TrainerJobs:
         return TrainerRun(result, self.cwd / name, self._launched[name])
 
     def _execute(self, how: str, names: list[str], job_args: list[str], timeout: float) -> None:
-        process = subprocess.run([*self.launcher(how), JOB_SCRIPT.name, *job_args], cwd=self.cwd,
-                                 env=user_env(**device_env(self.device)), capture_output=True, text=True,
-                                 timeout=timeout)
-        self._launched.update(dict.fromkeys(names, process))
+        launch = launch_cases([*self.launcher(how), JOB_SCRIPT.name, *job_args], self.cwd, self.cwd, MARKER,
+                              timeout, device=self.device)
+        self._launched.update(dict.fromkeys(names, launch))
 
     def start(self, name: str, *args: str, how: str = "launch", timeout: float = LAUNCH_TIMEOUT_S) -> TrainerRun:
         """Runs the job alone in a launch now, from the command line (no cache); the caller checks the exit status."""
@@ -176,11 +177,10 @@ class TrainerJobs:
         done = self.finished(name)
         names = [n for n, (h, _) in self.runs.items() if h == how]
         after = names[names.index(name) + 1:]
-        stderr = done.process.stderr
-        ended = done.process.returncode == 0 or (after and f"hf_trainer_job: {after[0]} starts" in stderr)
+        launch = done.launch
+        ended = launch.returncode == 0 or (after and launch.started(after[0]))
         if not (ended and done.result):
-            start = stderr.find(f"hf_trainer_job: {name} starts")
-            what = "stopped in it" if start >= 0 else "stopped before it (an earlier run failed)"
-            pytest.fail(f"{name}: its launch (runs {', '.join(names)}) {what}: exit {done.process.returncode}\n"
-                        f"{done.process.stdout[-3000:]}\n{stderr[max(start, 0):][-6000:]}", pytrace=False)
+            what = "stopped in it" if launch.started(name) else "stopped before it (an earlier run failed)"
+            pytest.fail(f"{name}: its launch (runs {', '.join(names)}) {what}: exit {launch.returncode}\n"
+                        f"{launch.stdout[-3000:]}\n{launch.stderr_of(name)}", pytrace=False)
         return done

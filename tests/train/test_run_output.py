@@ -141,20 +141,23 @@ def test_tokenizing_off_a_terminal_reports_plain_lines(monkeypatch):
 # --- a real run, its output and its export --------------------------------------------------
 
 
+def _stage3_job(root: Path) -> list:
+    """A short 2-rank stage-3 job's arguments (no output folder, no schedule)."""
+    return ["train", "--data.cache_dir", root / "cache", "--nproc_per_node", "2", "--zero.zero_optimization.stage", "3",
+            "--logging.interval", "1", "--training.micro_batch_size", "4", "--data.synthetic.num_examples", "400"]
+
+
 @pytest.fixture(scope="module")
 def stage3_run(tmp_path_factory):
-    """A short 2-rank stage-3 run, output captured (not a terminal), under umask 022."""
+    """A short 2-rank stage-3 run (2 steps, evaluated at steps 0 and 2), output captured (not a
+    terminal), under umask 022. Shared by the output, export and summary tests (one launch, not two)."""
     root = tmp_path_factory.mktemp("run_output")
     (root / "cwd").mkdir()
     run = root / "run"
     previous = os.umask(0o022)
     try:
-        proc = ZerotrainCLI(root / "cwd")(
-            "train", "--output.dir", run, "--data.cache_dir", root / "cache", "--nproc_per_node", "2",
-            "--zero.zero_optimization.stage", "3", "--training.max_steps", "2", "--logging.interval", "1",
-            "--training.eval_interval", "0", "--training.micro_batch_size", "4",
-            "--data.synthetic.num_examples", "400", check=True,
-        )
+        proc = ZerotrainCLI(root / "cwd")(*_stage3_job(root), "--output.dir", run, "--training.max_steps", "2",
+                                          "--training.eval_interval", "2", check=True)
     finally:
         os.umask(previous)
     return run, proc
@@ -218,15 +221,17 @@ def test_consolidate_hf_writes_the_runs_tokenizer_and_architecture(stage3_run, t
 
 
 @pytest.mark.slow
-def test_summary_names_the_newest_evaluation_and_its_step_also_after_a_resume(zerotrain_cli, tmp_path):
+@pytest.mark.timeout(300)
+def test_summary_names_the_newest_evaluation_and_its_step_also_after_a_resume(stage3_run, zerotrain_cli, tmp_path):
+    import shutil
+
     run = tmp_path / "run"
-    common = ["train", "--nproc_per_node", "1", "--output.dir", run, "--data.synthetic.num_examples", "400",
-              "--training.micro_batch_size", "4", "--training.save_interval", "4"]
-    zerotrain_cli(*common, "--training.max_steps", "4", "--training.eval_interval", "2", check=True)
+    shutil.copytree(stage3_run[0], run)  # resumed in a copy: the shared run stays as it finished
     first = json.loads((run / "summary.json").read_text())
-    assert first["eval_step"] == 4 and first["eval_loss"] > 0
+    assert first["eval_step"] == 2 and first["eval_loss"] > 0
     # The resumed segment does not evaluate: its summary keeps the earlier segment's newest evaluation.
-    zerotrain_cli(*common, "--training.max_steps", "6", "--training.eval_interval", "0", "--resume", check=True)
+    zerotrain_cli(*_stage3_job(stage3_run[0].parent), "--output.dir", run, "--training.max_steps", "3",
+                  "--training.eval_interval", "0", "--output.export_hf", "false", "--resume", check=True)
     resumed = json.loads((run / "summary.json").read_text())
-    assert resumed["steps"] == 6
-    assert (resumed["eval_step"], resumed["eval_loss"]) == (4, pytest.approx(first["eval_loss"], rel=1e-5))
+    assert resumed["steps"] == 3
+    assert (resumed["eval_step"], resumed["eval_loss"]) == (2, pytest.approx(first["eval_loss"], rel=1e-5))

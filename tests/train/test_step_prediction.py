@@ -16,8 +16,11 @@ PROBE = {"kind": "zerotrain-bench-compute", "version": 1, "device": "cpu (test)"
 def test_a_run_with_a_compute_probe_says_measured_against_predicted_once(zerotrain_cli):
     probe = zerotrain_cli.cwd / "compute.json"
     probe.write_text(json.dumps(PROBE))
+    # Three logging windows: the warm-up, the one compared, and one more that must not repeat the line.
+    # Nothing here reads an evaluation, a checkpoint or much data: none is made (the default job has all three).
     done = zerotrain_cli("train", "--training.max_steps", "6", "--logging.interval", "2", "--logging.compute_probe",
-                         "compute.json", "--output.dir", "run", "--output.export_hf", "false", check=True)
+                         "compute.json", "--output.dir", "run", "--output.export_hf", "false", "--output.save_final",
+                         "false", "--training.eval_interval", "0", "--data.synthetic.num_examples", "400", check=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("step time: measured")]
     assert len(lines) == 1 and "predicted" in lines[0] and "compute-bound" in lines[0], done.stdout[-3000:]
     saved = json.loads((zerotrain_cli.cwd / "run" / "predicted_step.json").read_text())
