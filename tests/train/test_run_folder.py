@@ -1,7 +1,7 @@
 """A run folder never loses work: re-runs, resume targets, pruning, live runs, Ctrl-C, detach.
 
 Every case runs the installed `zerotrain` console script from a temporary folder, a fresh
-process per run, as a user does. Three tests share one folder's history of re-runs (`rerun`).
+process per run, as a user does. Four tests share one folder's history of re-runs (`rerun`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ class Rerun:
     latest_after_again: str
     resumed: subprocess.CompletedProcess
     latest_after_resume: str
+    tags_after_resume: list[str]
+    latest_after_prune: str
+    tags_after_prune: list[str]
+    consolidated: subprocess.CompletedProcess
     overwritten: subprocess.CompletedProcess
     tags_after_overwrite: list[str]
     latest_after_overwrite: str
@@ -58,9 +62,10 @@ class Rerun:
 
 @pytest.fixture(scope="module")
 def rerun(tmp_path_factory) -> Rerun:
-    """Shared by three tests (4 runs instead of 8): train 2 steps into `runs/rel` (relative paths), the
-    same command again (refused), `--resume` to step 4 from another folder through the saved
-    config.yaml with a micro batch of 8 instead of 4, then `--overwrite` with 1 step."""
+    """Shared by four tests (6 commands instead of 11): train 2 steps into `runs/rel` (relative paths,
+    every checkpoint kept), the same command again (refused), `--resume` to step 8 from another folder
+    through the saved config.yaml with a micro batch of 8 instead of 4, back to step 2 (a tag folder)
+    and on to 6 keeping 2, consolidate those checkpoints, then `--overwrite` with 1 step."""
     root = tmp_path_factory.mktemp("rerun")
     cwd, elsewhere = root / "cwd", root / "elsewhere"
     cwd.mkdir()
@@ -68,23 +73,30 @@ def rerun(tmp_path_factory) -> Rerun:
     cli = ZerotrainCLI(cwd)
     run = cwd / "runs" / "rel"
     cli("train", "--output.dir", "runs/rel", "--data.cache_dir", "cache", *FAST, "--training.save_interval", "2",
-        "--training.max_steps", "2", check=True)
+        "--training.max_steps", "2", "--output.keep_checkpoints", "null", check=True)
     config_after_first, metrics_after_first = (run / "config.yaml").read_text(), (run / "metrics.csv").read_text()
     # the absolute path this time: the refusal must name it
     again = cli("train", "--output.dir", run, "--data.cache_dir", cwd / "cache", *FAST, "--training.max_steps", "2")
     metrics_after_again, latest_after_again = (run / "metrics.csv").read_text(), _latest(run)
     # --nproc_per_node is a launch flag, not in config.yaml: 1 process again, so only the micro batch changes
-    resumed = cli("train", run / "config.yaml", "--resume", "--nproc_per_node", "1", "--training.max_steps", "4",
+    resumed = cli("train", run / "config.yaml", "--resume", "--nproc_per_node", "1", "--training.max_steps", "8",
                   "--training.micro_batch_size", "8", cwd=elsewhere, check=True)
-    latest_after_resume = _latest(run)
+    latest_after_resume, tags_after_resume = _latest(run), _tags(run)
+    # Go back to step 2 (a tag folder) and train to 6 keeping 2: only tags this run wrote may go.
+    cli("train", "--output.dir", run, "--data.cache_dir", cwd / "cache", *FAST, "--training.max_steps", "6",
+        "--training.save_interval", "2", "--output.keep_checkpoints", "2", "--training.resume",
+        run / "checkpoints" / "step2", check=True)
+    latest_after_prune, tags_after_prune = _latest(run), _tags(run)
+    consolidated = cli("consolidate", run / "checkpoints", root / "out.safetensors")
     overwritten = cli("train", "--output.dir", run, "--data.cache_dir", cwd / "cache", *FAST,
                       "--training.max_steps", "1", "--overwrite", check=True)
     return Rerun(cwd, run, elsewhere, config_after_first, metrics_after_first, again, metrics_after_again,
-                 latest_after_again, resumed, latest_after_resume, overwritten, _tags(run), _latest(run))
+                 latest_after_again, resumed, latest_after_resume, tags_after_resume, latest_after_prune,
+                 tags_after_prune, consolidated, overwritten, _tags(run), _latest(run))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 4 runs
+@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 6 commands
 def test_rerun_into_a_folder_that_holds_a_run_is_refused_until_resume_or_overwrite(rerun):
     again = rerun.again
     assert again.returncode == 2
@@ -92,24 +104,19 @@ def test_rerun_into_a_folder_that_holds_a_run_is_refused_until_resume_or_overwri
     assert "Traceback" not in again.stderr
     assert rerun.metrics_after_again == rerun.metrics_after_first and rerun.latest_after_again == "step2"  # untouched
 
-    assert rerun.latest_after_resume == "step4"  # --resume trains on (through the saved config here)
+    assert rerun.latest_after_resume == "step8"  # --resume trains on (through the saved config here)
     assert "removed the earlier run" in rerun.overwritten.stderr
     assert rerun.tags_after_overwrite == ["step1"] and rerun.latest_after_overwrite == "step1"
 
 
 @pytest.mark.slow
-def test_pruning_keeps_an_earlier_runs_higher_tags_and_never_the_latest(zerotrain_cli, tmp_path):
-    run = tmp_path / "run"
-    _train(zerotrain_cli, run, "--training.max_steps", "8", "--training.save_interval", "2",
-           "--output.keep_checkpoints", "null")
-    assert _tags(run) == ["step2", "step4", "step6", "step8"]
-    # Go back to step 2 (a tag folder) and train to 6 keeping 2: only tags this run wrote may go.
-    _train(zerotrain_cli, run, "--training.max_steps", "6", "--training.save_interval", "2",
-           "--output.keep_checkpoints", "2", "--training.resume", run / "checkpoints" / "step2")
-    assert _latest(run) == "step6"
-    assert _tags(run) == ["step4", "step6", "step8"]  # step2 (resumed from) pruned; step8 is not this run's
-    consolidated = zerotrain_cli("consolidate", run / "checkpoints", tmp_path / "out.safetensors")
-    assert consolidated.returncode == 0, consolidated.stderr
+@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 6 commands
+def test_pruning_keeps_an_earlier_runs_higher_tags_and_never_the_latest(rerun):
+    assert rerun.tags_after_resume == ["step2", "step4", "step6", "step8"]  # the earlier runs kept every tag
+    # Back to step 2 and on to 6 keeping 2: only tags this run wrote may go.
+    assert rerun.latest_after_prune == "step6"
+    assert rerun.tags_after_prune == ["step4", "step6", "step8"]  # step2 (resumed from) pruned; step8 is not this run's
+    assert rerun.consolidated.returncode == 0, rerun.consolidated.stderr
 
 
 @pytest.mark.slow
@@ -128,14 +135,14 @@ def test_a_resume_target_that_is_not_a_checkpoint_fails_before_any_step(zerotrai
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 4 runs
+@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 6 commands
 def test_the_saved_config_resumes_from_any_folder_with_relative_paths_made_absolute(rerun):
     # Relative paths used to stay relative in RUN/config.yaml: the printed resume command failed
     # (or wrote a stray run) from any other folder.
     saved = rerun.config_after_first
     assert f"dir: {rerun.cwd / 'runs' / 'rel'}" in saved and f"cache_dir: {rerun.cwd / 'cache'}" in saved, saved
     assert rerun.resumed.returncode == 0  # run from `elsewhere` with only config.yaml's path
-    assert rerun.latest_after_resume == "step4" and not (rerun.elsewhere / "runs").exists()
+    assert rerun.latest_after_resume == "step8" and not (rerun.elsewhere / "runs").exists()
 
 
 def test_resume_with_no_checkpoint_fails_before_any_rank_starts_naming_the_folder(zerotrain_cli, tmp_path):
@@ -165,11 +172,11 @@ def test_a_foreground_run_refuses_a_folder_with_a_live_run(zerotrain_cli, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 4 runs
+@pytest.mark.timeout(600)  # whichever runs first sets `rerun` up: 6 commands
 def test_resume_with_another_global_batch_or_schedule_says_old_and_new(rerun):
-    said = rerun.resumed.stdout + rerun.resumed.stderr  # 2 steps of 4 samples, resumed with 8 to step 4
+    said = rerun.resumed.stdout + rerun.resumed.stderr  # 2 steps of 4 samples, resumed with 8 to step 8
     assert "global batch (samples per step): 4 → 8" in said
-    assert "total steps: 2 → 4" in said
+    assert "total steps: 2 → 8" in said
 
 
 def _interrupt(run: Path, nproc: int, sig: signal.Signals, whole_group: bool, cwd: Path) -> tuple[int, str, str]:
