@@ -6,8 +6,6 @@ The console script runs from a temp folder, as a user runs it; nodes are reached
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import re
@@ -16,7 +14,11 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from .sshd_nodes import processes_with_env
 
@@ -94,57 +96,74 @@ def test_two_nodes_of_two_ranks_train_like_one_node_of_four_with_deepspeed_env(s
     assert "job finished on 2 nodes (4 ranks)" in done.stderr
 
 
-def _start_sleeping_job(cluster, cwd: Path, pids_dir: Path, job_id: str) -> subprocess.Popen:
-    """A 2 nodes x 2 ranks job whose ranks sleep; returns its launcher once all 4 ranks are up."""
-    launcher = subprocess.Popen(
-        _launch_argv(cluster, str(SCRIPTS / "sleep_forever.py"), str(pids_dir), port=free_port()),
-        cwd=cwd, env=_env(job_id), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for(lambda: len(list(pids_dir.glob("rank*.pid"))) == 4, 90, f"job {job_id}'s 4 ranks")
-    return launcher
+@dataclass
+class SleepingJob:
+    """A 2 nodes x 2 ranks job whose ranks write their pid files in `folder`, then sleep for 120 s."""
+
+    job_id: str
+    folder: Path
+    launcher: subprocess.Popen
+
+
+def _start_sleeping_job(cluster, folder: Path) -> SleepingJob:
+    job_id = f"{folder.name}-{uuid.uuid4().hex[:8]}"
+    argv = _launch_argv(cluster, str(SCRIPTS / "sleep_forever.py"), str(folder), port=free_port())
+    with (folder / "launcher.log").open("w") as log:  # says why, should the job not start
+        launcher = subprocess.Popen(argv, cwd=folder, env=_env(job_id), stdout=log, stderr=subprocess.STDOUT)
+    return SleepingJob(job_id, folder, launcher)
+
+
+def _ranks_up(job: SleepingJob) -> bool:
+    if job.launcher.poll() is not None:
+        log = (job.folder / "launcher.log").read_text(errors="replace")[-3000:]
+        raise AssertionError(f"job {job.job_id}'s launcher ended with {job.launcher.returncode}:\n{log}")
+    return len(list(job.folder.glob("rank*.pid"))) == 4
+
+
+@pytest.fixture(scope="module")
+def sleeping_jobs(ssh_cluster, tmp_path_factory) -> Iterator[dict[str, SleepingJob]]:
+    """Two sleeping jobs started together: "killed" for the SIGKILL test (first: they sleep 120 s), "bystander"."""
+    jobs = {name: _start_sleeping_job(ssh_cluster, tmp_path_factory.mktemp(name)) for name in ("killed", "bystander")}
+    try:
+        for job in jobs.values():
+            _wait_for(lambda job=job: _ranks_up(job), 90, f"job {job.job_id}'s 4 ranks")
+        yield jobs
+    finally:
+        for job in jobs.values():  # left by a test that failed midway: SIGKILL ends the job on every node
+            if job.launcher.poll() is None:
+                job.launcher.kill()
+            job.launcher.wait()
 
 
 @pytest.mark.slow
-def test_failing_rank_on_second_node_stops_the_job_everywhere_and_spares_another_job(ssh_cluster, tmp_path):
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    bystander_id = f"bystander-{uuid.uuid4().hex[:8]}"
-    bystander = _start_sleeping_job(ssh_cluster, cwd, tmp_path, bystander_id)
-    try:
-        job = f"failing-{uuid.uuid4().hex[:8]}"
-        start = time.monotonic()
-        done = _run(ssh_cluster, cwd, str(TRAIN), "--fail-rank", "3", job_id=job)
-        took = time.monotonic() - start
-        assert done.returncode != 0
-        assert "first failure: node 127.0.0.3" in done.stderr and "rank 3" in done.stderr, done.stderr
-        assert "RuntimeError: rank 3 failed on purpose" in done.stderr
-        assert took < 90, took
-        _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", job), TEARDOWN_S, "the failed job's processes")
-        survivors = processes_with_env("ZEROTRAIN_JOB_ID", bystander_id)
-        assert len(survivors) >= 4 and bystander.poll() is None, "the other job must survive"
-        # SIGTERM to the launcher stops the bystander on both nodes.
-        bystander.send_signal(signal.SIGTERM)
-        assert bystander.wait(TEARDOWN_S) == 128 + signal.SIGTERM
-        _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", bystander_id), 5, "the stopped job's processes")
-    finally:
-        if bystander.poll() is None:
-            bystander.kill()
-            bystander.wait()
+def test_sigkill_of_the_launcher_ends_every_process_of_the_job(sleeping_jobs):
+    job = sleeping_jobs["killed"]
+    assert len(processes_with_env("ZEROTRAIN_JOB_ID", job.job_id)) >= 4
+    job.launcher.kill()
+    job.launcher.wait()
+    _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", job.job_id), TEARDOWN_S, "every process of the job")
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_launcher_ends_every_process_of_the_job(ssh_cluster, tmp_path):
-    cwd = tmp_path / "cwd"
+def test_failing_rank_on_second_node_stops_the_job_everywhere_and_spares_another_job(
+        ssh_cluster, sleeping_jobs, tmp_path):
+    cwd, bystander = tmp_path / "cwd", sleeping_jobs["bystander"]
     cwd.mkdir()
-    job = f"killed-{uuid.uuid4().hex[:8]}"
-    launcher = _start_sleeping_job(ssh_cluster, cwd, tmp_path, job)
-    try:
-        assert len(processes_with_env("ZEROTRAIN_JOB_ID", job)) >= 4
-        launcher.kill()
-        launcher.wait()
-        _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", job), TEARDOWN_S, "every process of the job")
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    job = f"failing-{uuid.uuid4().hex[:8]}"
+    start = time.monotonic()
+    done = _run(ssh_cluster, cwd, str(TRAIN), "--fail-rank", "3", job_id=job)
+    took = time.monotonic() - start
+    assert done.returncode != 0
+    assert "first failure: node 127.0.0.3" in done.stderr and "rank 3" in done.stderr, done.stderr
+    assert "RuntimeError: rank 3 failed on purpose" in done.stderr
+    assert took < 90, took
+    _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", job), TEARDOWN_S, "the failed job's processes")
+    survivors = processes_with_env("ZEROTRAIN_JOB_ID", bystander.job_id)
+    assert len(survivors) >= 4 and bystander.launcher.poll() is None, "the other job must survive"
+    # SIGTERM to the launcher stops the bystander on both nodes.
+    bystander.launcher.send_signal(signal.SIGTERM)
+    assert bystander.launcher.wait(TEARDOWN_S) == 128 + signal.SIGTERM
+    _wait_for(lambda: not processes_with_env("ZEROTRAIN_JOB_ID", bystander.job_id), 5, "the stopped job's processes")
 
 
 @pytest.mark.slow
@@ -367,4 +386,7 @@ def test_a_stopped_rank_on_another_node_ends_the_job_naming_it_with_every_stack(
     assert "hang timeout: 6 s" in out  # said at the start
     assert re.search(r"no progress for 6 s .*rank\(s\) 1 ", out), out[-3000:]
     assert "--- rank 0 stack ---" in out and "in _train_step" in out
+    # The stopped rank is continued after its SIGTERM: its node ends the job within the agent's grace,
+    # rather than waiting it out and killing the agent.
+    assert "node agent was killed" not in out, out[-3000:]
     assert not processes_with_env("ZEROTRAIN_JOB_ID", job), "every process of the job is gone"

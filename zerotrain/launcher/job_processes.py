@@ -47,10 +47,18 @@ def signal_processes(pids: Iterable[int], sig: signal.Signals) -> None:
             pass
 
 
+def terminate_processes(pids: Iterable[int]) -> None:
+    """SIGTERM, then SIGCONT: a process stopped by SIGSTOP or Ctrl-Z acts on its SIGTERM only once
+    continued (shells and systemd do the same); without it, it waits out any grace and is killed."""
+    pids = list(pids)
+    signal_processes(pids, signal.SIGTERM)
+    signal_processes(pids, signal.SIGCONT)
+
+
 def kill_job_processes(job_id: str, node_rank: int | None, *, grace_s: float = 5.0) -> list[int]:
     """SIGTERM every process of the job on this node, SIGKILL what is left after `grace_s`; returns the pids found."""
     pids = job_processes(job_id, node_rank)
-    signal_processes(pids, signal.SIGTERM)
+    terminate_processes(pids)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         alive = job_processes(job_id, node_rank)

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from zerotrain.compat.deepspeed_standin import with_standin
@@ -38,6 +39,8 @@ from zerotrain.launcher.node_job import DUMP_STACKS_COMMAND, JOB_ID_ENV, NODE_RA
 # How long the agent gets to stop its ranks (it sends them SIGTERM) before every process
 # of the job on the node is killed: well inside the 30 s a job may take to end.
 STOP_GRACE_S = 10.0
+# How often, while the agent stops its ranks, the stopped ones among them are continued (SIGCONT).
+_RESUME_INTERVAL_S = 0.5
 _RESULT_FILE = "result.json"
 _JOB_FILE = "job.json"
 
@@ -68,11 +71,24 @@ def _listen_to_launcher(job: NodeJob, node_rank: int, agent: subprocess.Popen, s
     stopping.set()
     if agent.poll() is None:
         agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
+        _wait_for_agent_to_stop(job, node_rank, agent)
     kill_job_processes(job.job_id, node_rank, grace_s=1.0)
+
+
+def _wait_for_agent_to_stop(job: NodeJob, node_rank: int, agent: subprocess.Popen) -> None:
+    """Up to STOP_GRACE_S for the agent to stop its ranks, continuing any of the job's processes that is stopped.
+
+    torch's agent sends its ranks SIGTERM and no SIGCONT: a rank stopped by SIGSTOP (a hang, a
+    debugger's pause) would act on it only when the agent gives up and kills it, the agent with it.
+    """
+    deadline = time.monotonic() + STOP_GRACE_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            agent.wait(min(_RESUME_INTERVAL_S, left))
+            return
+        except subprocess.TimeoutExpired:
+            # SIGCONT is a no-op for a running process: no need to tell which ones are stopped.
+            signal_processes(job_processes(job.job_id, node_rank), signal.SIGCONT)
 
 
 def supervise(job: NodeJob, *, listen: bool) -> int:

@@ -7,7 +7,7 @@ rank checks: when its rank has not moved for `training.hang_timeout` seconds, it
 the store. Each rank that can still run then prints its Python stack (every thread); the rank that
 raised it names the ranks that did not arrive (behind the furthest step and phase, or not running
 at all: no heartbeat, e.g. SIGSTOP) and every rank leaves with HANG_EXIT_CODE, so the launcher
-stops the job (a stopped rank with SIGKILL).
+stops the job (a stopped rank is continued with SIGCONT after its SIGTERM, so it acts on it).
 """
 
 from __future__ import annotations
