@@ -78,3 +78,13 @@ def test_the_zerotrain_command_keeps_its_exit_status_and_output(tmp_path):
     wrong = subprocess.run([zerotrain_script(), "no-such-command"], capture_output=True, text=True, timeout=60,
                            cwd=tmp_path, env=user_env())
     assert wrong.returncode == 2 and "invalid choice" in wrong.stderr  # argparse's usage error, as before
+
+
+def test_a_failed_rank_ends_through_system_exit_so_the_bootstrap_sees_it():
+    import pytest
+
+    from zerotrain.system.process_exit import end_rank
+
+    with pytest.raises(SystemExit) as ended:
+        end_rank(3)
+    assert ended.value.code == 3

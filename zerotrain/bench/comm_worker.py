@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from zerotrain.system.process_exit import exit_now
+from zerotrain.system.process_exit import end_rank
 from zerotrain.bench.bandwidth import (
     COLLECTIVES, DEFAULT_MAX_SIZE_CPU, DEFAULT_MAX_SIZE_GPU, DEFAULT_MIN_SIZE, ELEMENT_SIZE, MARKER, bandwidth_row,
     collective_bytes, element_counts, parse_size, size_list,
@@ -165,9 +164,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # A finished rank leaves without the interpreter's teardown (zerotrain/system/process_exit.py);
-    # a failed one exits as before, so the launcher's bootstrap notes when it failed.
-    status = main()
-    if status == 0:
-        exit_now(0)
-    sys.exit(status)
+    end_rank(main())  # a finished rank skips the interpreter's teardown

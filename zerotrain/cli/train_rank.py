@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
-
-from zerotrain.system.process_exit import exit_now
 from pathlib import Path
+
+from zerotrain.system.process_exit import end_rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +41,4 @@ def _leave_prediction(config: str) -> None:
 
 
 if __name__ == "__main__":
-    # A finished rank leaves without the interpreter's teardown (zerotrain/system/process_exit.py);
-    # a failed one exits as before, so the launcher's bootstrap notes when it failed.
-    status = main()
-    if status == 0:
-        exit_now(0)
-    sys.exit(status)
+    end_rank(main())  # a finished rank skips the interpreter's teardown

@@ -48,6 +48,15 @@ def exit_code_of(request: SystemExit) -> int:
     return 1
 
 
+def end_rank(status: int) -> NoReturn:
+    """Ends a rank of zerotrain's own (a `zerotrain train` worker, a comm-benchmark rank) with `status`:
+    a finished one through `exit_now`; a failed one through SystemExit, as before, so the launcher's
+    bootstrap still notes when it failed and leaves a live process group alone."""
+    if status == 0:
+        exit_now(0)
+    sys.exit(status)
+
+
 def run_then_exit(main: Callable[[], int | None]) -> NoReturn:
     """Runs a process's `main` and ends the process with its status through `exit_now`.
 

@@ -7,9 +7,8 @@ and starts N of these; each reads that file, so every rank trains on the same se
 from __future__ import annotations
 
 import argparse
-import sys
 
-from zerotrain.system.process_exit import exit_now
+from zerotrain.system.process_exit import end_rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +24,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # A finished rank leaves without the interpreter's teardown (zerotrain/system/process_exit.py);
-    # a failed one exits as before, so the launcher's bootstrap notes when it failed.
-    status = main()
-    if status == 0:
-        exit_now(0)
-    sys.exit(status)
+    end_rank(main())  # a finished rank skips the interpreter's teardown
