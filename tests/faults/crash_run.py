@@ -3,8 +3,9 @@
 Shared by tests/faults/test_crash_consistency.py (one moment per kind, in `make test`) and
 tests/faults/soak.py (`make soak`: every moment x victim x stage, randomized arrivals).
 
-A trial runs the job with ZEROTRAIN_FAULT=POINT:VICTIM:N (zerotrain/comm/fault_points.py), in a
-session of its own so that every process it started can be found afterwards, then checks:
+A trial runs the job with ZEROTRAIN_FAULT=POINT:VICTIM:N (zerotrain/comm/fault_points.py) and a job id
+of its own (ZEROTRAIN_JOB_ID, which the launcher, a detached launcher and every rank carry, so that every
+process it started can be found afterwards: the ranks run in sessions of their own), then checks:
 - `latest`, if present, names a complete tag (its meta.json is there);
 - nothing of the job is still running once the launcher is gone (within a grace period);
 - `zerotrain train --training.resume auto` finishes, says where it resumed (or that it starts over),
@@ -21,12 +22,16 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import zerotrain_script  # noqa: E402
 from free_ports import free_port  # noqa: E402
+
+from zerotrain.launcher.job_processes import job_processes, signal_processes  # noqa: E402
+from zerotrain.launcher.node_job import JOB_ID_ENV  # noqa: E402
 
 STEPS = 6
 SAVE_EVERY = 2
@@ -91,33 +96,22 @@ def reference(tmp: Path, stage: int, nvme: bool) -> list[tuple[str, str]]:
     return losses(run)
 
 
-def _session_processes(sid: int) -> list[str]:
+def _job_processes(job_id: str) -> list[str]:
+    """The live processes carrying `job_id` (a zombie's environment reads empty): "pid name" each."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in job_processes(job_id):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
+            found.append(f"{pid} {Path(f'/proc/{pid}/comm').read_text().strip()}")
         except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:  # fields[3]: the session id
-            found.append(f"{entry} {stat.split('(', 1)[1].split(')', 1)[0]}")
+            pass  # gone meanwhile
     return found
 
 
-def _wait_for_no_leftovers(sid: int) -> list[str]:
+def _wait_for_no_leftovers(job_id: str) -> list[str]:
     deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while (left := _session_processes(sid)) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    while (left := _job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     return left
-
-
-def _kill_session(sid: int) -> None:
-    try:
-        os.killpg(sid, signal.SIGKILL)  # the trial's own session: only what it started
-    except ProcessLookupError:
-        pass
 
 
 def run_trial(tmp: Path, stage: int, point: str, victim: str, n: int, expected: list[tuple[str, str]],
@@ -129,27 +123,26 @@ def run_trial(tmp: Path, stage: int, point: str, victim: str, n: int, expected: 
     if nvme:
         nvme.mkdir()
     args = job_args(run, stage, nvme, tmp / "cache")
-    env = environment(ZEROTRAIN_FAULT=f"{point}:{victim}:{n}")
+    job_id = f"crash-trial-{uuid.uuid4().hex[:12]}"
+    env = environment(ZEROTRAIN_FAULT=f"{point}:{victim}:{n}", **{JOB_ID_ENV: job_id})
     proc = subprocess.Popen([zerotrain_script(), *args, *(["--detach"] if detach else [])], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out, _ = proc.communicate(timeout=300)
-    sid = proc.pid
     if detach:  # the detached launcher runs in a session of its own: follow it until it is gone
         pid = int((run / "train.pid").read_text()) if (run / "train.pid").exists() else None
         deadline = time.monotonic() + 300
         while pid is not None and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        sid = pid or sid
+            time.sleep(0.2)
         out += (run / "train.log").read_text() if (run / "train.log").exists() else ""
     summary = run / "summary.json"
     finished = summary.is_file() and '"status": "finished"' in summary.read_text()
     # Killed: a non-zero exit; detached, the run did not finish, or its launcher died without
     # clearing its pid file (the ranks may have finished the last steps before they noticed).
     trial.killed = (not finished or (run / "train.pid").exists()) if detach else proc.returncode != 0
-    trial.leftovers = _wait_for_no_leftovers(sid)
+    trial.leftovers = _wait_for_no_leftovers(job_id)
     if trial.leftovers:
         trial.problems.append(f"left running: {trial.leftovers}")
-        _kill_session(sid)
+        signal_processes(job_processes(job_id), signal.SIGKILL)  # only what this trial started
     checkpoints = run / "checkpoints"
     latest = checkpoints / "latest"
     if latest.exists() and not (checkpoints / latest.read_text().strip() / "meta.json").is_file():

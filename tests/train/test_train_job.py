@@ -6,6 +6,7 @@ import csv
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,10 @@ from conftest import device_env, on_gpu, zerotrain_script
 pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, not `make check`
 
 ZEROTRAIN = [zerotrain_script()]  # the installed console script, as users run it
-# A short job on the default model and data: 12 steps, a checkpoint every 4, a metrics row every step.
+# A short job on the default model and data: 12 steps, a checkpoint at step 8 (and the final one at 12), a
+# metrics row every step.
 SHORT = [
-    "--training.max_steps", "12", "--training.save_interval", "4", "--training.eval_interval", "6",
+    "--training.max_steps", "12", "--training.save_interval", "8", "--training.eval_interval", "6",
     "--training.micro_batch_size", "4", "--logging.interval", "1", "--data.synthetic.num_examples", "2000",
 ]
 
@@ -72,48 +74,68 @@ def test_embedded_default_trains_to_the_end_and_writes_a_loadable_model(tmp_path
     assert out.shape[1] > ids.shape[1]
 
     # Fine-tune that directory (weights and tokenizer) on prompt/response JSONL: model.path + data.path.
+    # One process, in the command's own (no launcher, no second rank): loading is what this checks, and
+    # two ranks were the demo's; no evaluation, which nothing here reads.
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(f'{{"prompt": "{a}+{b}=", "response": "{a + b}"}}\n' for a in range(40) for b in range(10)))
     _train(tmp_path, "sft", "--model.path", str(run / "hf"), "--data.path", str(data), "--data.format", "auto", "--data.seq_len", "32",
-           "--training.max_steps", "4", "--training.micro_batch_size", "4", "--logging.interval", "1", *one_gpu,
-           env=device_env(device))
+           "--training.max_steps", "4", "--training.micro_batch_size", "4", "--logging.interval", "1",
+           "--training.eval_interval", "0", "--nproc_per_node", "1", env=device_env(device))
     tuned = _rows(tmp_path / "sft" / "metrics.csv")
     assert len(tuned) == 4 and float(tuned[0]["loss"]) < first  # starts from the trained weights, not from scratch
     assert (tmp_path / "sft" / "hf" / "tokenizer.json").is_file()
 
 
+@dataclass
+class CrashAndResume:
+    """The SHORT job on 2 CPU processes, TensorBoard on, killed after its last step (before its final
+    save), then resumed with `--master_port` given: its folder, metrics.csv and `latest` as the crash left
+    them, both processes, and the port."""
+
+    run: Path
+    crashed: subprocess.CompletedProcess
+    crashed_rows: list[dict]
+    crashed_latest: str
+    resumed: subprocess.CompletedProcess
+    port: str
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, str]:
-    """The SHORT job run whole on 2 CPU processes, with TensorBoard on and a `--master_port` given:
-    (its folder, the process, the port). Shared by the crash/resume test (the losses to reproduce)
-    and the rendezvous flag test (how many processes the flag left it)."""
+def crash_and_resume(tmp_path_factory) -> CrashAndResume:
+    """Shared by the crash/resume test and the rendezvous flag test (how many processes the flag left
+    the resumed run). The crashed run logged every step's loss before the kill, uninterrupted: those
+    rows are the uninterrupted losses the resume must reproduce, with no third run to compute them."""
     from free_ports import free_port
 
-    root, port = tmp_path_factory.mktemp("uninterrupted"), str(free_port())
-    proc = _train(root, "whole", *SHORT, "--logging.tensorboard.enabled", "true", "--master_port", port,
-                  env=device_env("cpu"))
-    return root / "whole", proc, port
+    root, port = tmp_path_factory.mktemp("crash"), str(free_port())
+    run, cpu, tensorboard = root / "resumed", device_env("cpu"), ["--logging.tensorboard.enabled", "true"]
+    crashed = _train(root, "resumed", *SHORT, *tensorboard, env={**cpu, "ZEROTRAIN_FAULT": "after_step:all:12"},
+                     check=False)
+    crashed_rows = _rows(run / "metrics.csv") if (run / "metrics.csv").is_file() else []
+    latest = run / "checkpoints" / "latest"
+    crashed_latest = latest.read_text().strip() if latest.is_file() else ""
+    resumed = _train(root, "resumed", *SHORT, *tensorboard, "--resume", "--master_port", port, env=cpu, check=False)
+    return CrashAndResume(run, crashed, crashed_rows, crashed_latest, resumed, port)
 
 
 @pytest.mark.timeout(600)
-def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(tmp_path, uninterrupted, monkeypatch):
-    for name, value in device_env("cpu").items():  # the uninterrupted run's CPU world, for every run here
-        monkeypatch.setenv(name, value)
-    crashed = _train(tmp_path, "resumed", *SHORT, env={"ZEROTRAIN_FAULT": "after_step:all:10"}, check=False)
-    assert crashed.returncode != 0
-    run = tmp_path / "resumed"
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step8"
-    _train(tmp_path, "resumed", *SHORT, "--resume")
+def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(crash_and_resume):
+    job = crash_and_resume
+    assert job.crashed.returncode != 0, job.crashed.stdout[-2000:]
+    whole = job.crashed_rows  # steps 1-12, each run once, without a break
+    assert [int(r["step"]) for r in whole] == list(range(1, 13)), job.crashed.stdout[-2000:] + job.crashed.stderr[-2000:]
+    assert job.crashed_latest == "step8"  # the final save (step 12) never happened: steps 9-12 are redone
+    assert job.resumed.returncode == 0, job.resumed.stdout[-3000:] + job.resumed.stderr[-3000:]
+    assert "resumed from" in job.resumed.stdout and "step8" in job.resumed.stdout, job.resumed.stdout[-2000:]
 
-    whole_dir = uninterrupted[0]
-    whole, resumed = _rows(whole_dir / "metrics.csv"), _rows(run / "metrics.csv")
-    assert [int(r["step"]) for r in resumed] == list(range(1, 13))  # rows 9-10 of the crashed run replaced
+    resumed = _rows(job.run / "metrics.csv")
+    assert [int(r["step"]) for r in resumed] == list(range(1, 13))  # rows 9-12 of the crashed run replaced
     for a, b in zip(whole, resumed):
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-6, abs=1e-7), a["step"]
     fields = ["step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "tflops",
               "mem_alloc_gb_r0", "mem_peak_gb_r0", "mem_alloc_gb_r1", "mem_peak_gb_r1"]
-    assert all(r[f] != "" for r in whole for f in fields)
-    assert list((whole_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert all(r[f] != "" for r in whole + resumed for f in fields)
+    assert list((job.run / "tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.timeout(300)
@@ -130,7 +152,7 @@ def test_detached_run_is_followed_and_stopped_cleanly_after_a_checkpoint(tmp_pat
     deadline = time.time() + 180
     while "step 10 " not in (run / "train.log").read_text() + " ":
         assert time.time() < deadline, (run / "train.log").read_text()[-2000:]
-        time.sleep(1)
+        time.sleep(0.2)
     stop = subprocess.run([*ZEROTRAIN, "stop", str(run)], capture_output=True, text=True, timeout=200)
     assert stop.returncode == 0, stop.stderr
     from zerotrain.train.run_control import running_pid
@@ -152,9 +174,9 @@ def test_bad_data_stops_the_job_with_its_message_not_a_traceback(tmp_path):
 
 
 # --master_addr takes the same path as --master_port
-def test_a_rendezvous_flag_never_changes_how_many_processes_a_local_run_starts(uninterrupted):
+def test_a_rendezvous_flag_never_changes_how_many_processes_a_local_run_starts(crash_and_resume):
     # `--master_port` used to send the run down the multi-node path, whose CPU default was 1 process.
-    _, proc, port = uninterrupted  # a local run given --master_port, no --nproc_per_node
+    proc, port = crash_and_resume.resumed, crash_and_resume.port  # a local run given --master_port, no --nproc_per_node
     assert "zerotrain launch: 2 processes" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert "; 2 ranks," in proc.stdout, proc.stdout[-2000:]
     assert f"127.0.0.1:{port}" in proc.stderr + proc.stdout
