@@ -227,6 +227,50 @@ def zerotrain_cli(tmp_path: Path) -> ZerotrainCLI:
     return ZerotrainCLI(cwd)
 
 
+class ZerotrainInProcess:
+    """Runs `zerotrain ARGS` through `zerotrain.cli.main.main` inside this test process.
+
+    The console script's own parser and handlers, without the 3-7 CPU-s a fresh process spends
+    importing torch and transformers: for the variations of a command (its --json, --wide, a bad
+    value) once another call in the module has run it as a user does (ZerotrainCLI). Same working
+    directory and environment rules; returns a CompletedProcess like ZerotrainCLI.
+    """
+
+    def __init__(self, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.cwd, self.monkeypatch = cwd, monkeypatch
+
+    def __call__(self, *args, env: dict | None = None, check: bool = False, input: str | None = None):
+        import contextlib
+        import io
+        import subprocess
+
+        from zerotrain.cli.main import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with self.monkeypatch.context() as patch:
+            patch.chdir(self.cwd)
+            for name, value in {"OMP_NUM_THREADS": "1", **(env or {})}.items():
+                patch.setenv(name, str(value))
+            patch.setattr(sys, "stdin", io.StringIO(input or ""))
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = main([str(a) for a in args])
+                except SystemExit as exit_request:  # argparse's usage errors, as the process would exit
+                    code = exit_request.code if isinstance(exit_request.code, int) else int(exit_request.code is not None)
+        proc = subprocess.CompletedProcess(["zerotrain", *map(str, args)], code, out.getvalue(), err.getvalue())
+        if check:
+            assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        return proc
+
+
+@pytest.fixture
+def zerotrain_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ZerotrainInProcess:
+    """`zerotrain_main("plan", "llama", "--json")`: the command in this process, run from tmp_path/cwd."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    return ZerotrainInProcess(cwd, monkeypatch)
+
+
 @pytest.fixture
 def standin_deepspeed(monkeypatch):
     """`import deepspeed` gives zerotrain's stand-in (with its metadata), for this test only."""

@@ -65,7 +65,7 @@ def test_architecture_that_is_no_causal_lm_is_named_as_such():
 
 @pytest.mark.slow
 def test_a_misspelt_config_override_is_refused_by_train_config_check_and_estimate_before_anything_starts(
-        zerotrain_cli, tmp_path):
+        zerotrain_cli, zerotrain_main, tmp_path):
     # `hiden_size` used to become a stray attribute: a model of the default size trained, exit 0.
     expected = ("model.config_overrides: 'hiden_size' (did you mean 'hidden_size'?) is not a setting of LlamaConfig",)
     proc = _train(zerotrain_cli, tmp_path, "run", "--model.config_overrides.hiden_size", "64")
@@ -76,7 +76,7 @@ def test_a_misspelt_config_override_is_refused_by_train_config_check_and_estimat
     _one_message(zerotrain_cli("config", "check", config), *expected)
     _one_message(zerotrain_cli("estimate", "llama", "--config-override", "hiden_size=1024"), *expected)
     # keys transformers reads and folds in elsewhere are settings too
-    assert zerotrain_cli("estimate", "llama", "--config-override", "rope_theta=10000").returncode == 0
+    assert zerotrain_main("estimate", "llama", "--config-override", "rope_theta=10000").returncode == 0
 
 
 @pytest.mark.slow

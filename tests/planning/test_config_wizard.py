@@ -104,7 +104,7 @@ def test_flags_answer_without_input_and_a_config_that_does_not_fit_is_warned(zer
 
 
 @pytest.mark.slow
-def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrain_cli):
+def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrain_cli, zerotrain_main):
     from accelerate.commands.config.config_args import ClusterConfig
 
     from zerotrain.config import load_config, resolve_config
@@ -125,9 +125,9 @@ def test_piped_answers_write_configs_that_zerotrain_and_accelerate_load(zerotrai
     assert train.model.config_overrides["hidden_size"] == 64
     acc = ClusterConfig.from_yaml_file(str(cwd / "acc.yaml"))
     assert acc.num_processes == 2 and acc.deepspeed_config["zero3_init_flag"] is True
-    again = zerotrain_cli("init", "llama", *OVERRIDES, "--gpu-memory", "2GiB", "--yes")
+    again = zerotrain_main("init", "llama", *OVERRIDES, "--gpu-memory", "2GiB", "--yes")  # the same folder
     assert again.returncode == 2 and "ds_config.json exists; pass --force" in again.stderr
-    assert zerotrain_cli("init", "llama", *OVERRIDES, "--gpu-memory", "2GiB", "--yes", "--force").returncode == 0
+    assert zerotrain_main("init", "llama", *OVERRIDES, "--gpu-memory", "2GiB", "--yes", "--force").returncode == 0
     assert yaml.safe_load((cwd / "zerotrain.yaml").read_text())["zero"]["zero_optimization"]["stage"] in (0, 1, 2, 3)
 
 

@@ -164,7 +164,7 @@ def test_a_global_batch_that_does_not_split_is_refused():
 
 
 @pytest.mark.slow
-def test_zerotrain_estimate_prints_every_rung_and_json(zerotrain_cli):
+def test_zerotrain_estimate_prints_every_rung_and_json(zerotrain_cli, zerotrain_main):
     done = zerotrain_cli("estimate", "llama", *_overrides(), "--gpus-per-node", "2", "--seq-len", "128",
                          "--gpu-memory", "2GiB", "--cpu-memory", "8GiB", check=True)
     lines = done.stdout.splitlines()
@@ -176,22 +176,22 @@ def test_zerotrain_estimate_prints_every_rung_and_json(zerotrain_cli):
     # A tiny model's figures are in MiB, not rows of 0.00 GiB; the table fits 100 columns unless --wide.
     assert "MiB per GPU" in done.stdout and max(len(" ".join(row)) for row in rows) <= 100
     assert max(len(line) for line in lines if line.split()[:1] and line.split()[0].isdigit()) <= 100
-    wide = zerotrain_cli("estimate", "llama", *_overrides(), "--wide", check=True).stdout
+    wide = zerotrain_main("estimate", "llama", *_overrides(), "--wide", check=True).stdout
     assert "activ" in wide and "activ" not in done.stdout
     assert "seq 128, micro-batch 1, bf16, sdpa attention" in done.stdout
-    data = json.loads(zerotrain_cli("estimate", "llama", *_overrides(), "--json", "--micro-batch", "2",
-                                    "--no-gradient-checkpointing", "--attention", "eager", check=True).stdout)
+    data = json.loads(zerotrain_main("estimate", "llama", *_overrides(), "--json", "--micro-batch", "2",
+                                     "--no-gradient-checkpointing", "--attention", "eager", check=True).stdout)
     assert len(data["rungs"]) == 9 and data["workload"]["micro_batch"] == 2
-    chunked = json.loads(zerotrain_cli("estimate", "llama", *_overrides(), "--json", "--loss-chunk-tokens", "16",
-                                       "--no-gradient-checkpointing", check=True).stdout)
-    whole = json.loads(zerotrain_cli("estimate", "llama", *_overrides(), "--json", "--no-gradient-checkpointing",
-                                     check=True).stdout)
+    chunked = json.loads(zerotrain_main("estimate", "llama", *_overrides(), "--json", "--loss-chunk-tokens", "16",
+                                        "--no-gradient-checkpointing", check=True).stdout)
+    whole = json.loads(zerotrain_main("estimate", "llama", *_overrides(), "--json", "--no-gradient-checkpointing",
+                                      check=True).stdout)
     assert chunked["rungs"][0]["gpu_bytes"]["logits peak"] < whole["rungs"][0]["gpu_bytes"]["logits peak"] / 4
     assert data["rungs"][0]["gpu_bytes"]["activations"] > 0 and len(data["deepspeed"]["zero3"]) == 6
 
 
 @pytest.mark.slow
-def test_zerotrain_plan_prints_words_deepspeed_json_and_train_yaml(zerotrain_cli, tmp_path):
+def test_zerotrain_plan_prints_words_deepspeed_json_and_train_yaml(zerotrain_cli, zerotrain_main, tmp_path):
     import yaml
 
     done = zerotrain_cli("plan", "llama", *_overrides(), "--gpus", "2", "--gpu-memory", "2GiB",
@@ -205,28 +205,28 @@ def test_zerotrain_plan_prints_words_deepspeed_json_and_train_yaml(zerotrain_cli
     load_config(ds)  # the config zerotrain (and DeepSpeed) would be given loads as it is
     section = yaml.safe_load(out.split("zerotrain train YAML:\n", 1)[1])
     assert section["zero"]["zero_optimization"] == ds["zero_optimization"]
-    bad = zerotrain_cli("plan", "llama", *_overrides(), "--gpus", "3", "--gpu-memory", "2GiB", "--global-batch", "16")
+    bad = zerotrain_main("plan", "llama", *_overrides(), "--gpus", "3", "--gpu-memory", "2GiB", "--global-batch", "16")
     assert bad.returncode == 2 and "multiple of 3" in bad.stderr
-    none = zerotrain_cli("plan", "llama", *_overrides(), "--gpus", "1", "--gpu-memory", "1GiB", "--global-batch", "1",
-                         "--json")
+    none = zerotrain_main("plan", "llama", *_overrides(), "--gpus", "1", "--gpu-memory", "1GiB", "--global-batch", "1",
+                          "--json")
     assert none.returncode == 1 and json.loads(none.stdout)["choice"] is None
 
 
 @pytest.mark.slow
-def test_plan_without_cpu_memory_checks_this_machines_and_says_so(zerotrain_cli):
+def test_plan_without_cpu_memory_checks_this_machines_and_says_so(zerotrain_main):
     # A 70B-sized Llama on one 16 GiB GPU: only offloading every state fits the GPU, and that needs
     # about 1 TiB of host memory. Without --cpu-memory it used to be recommended, exit 0.
     import os
 
     big = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
            "num_key_value_heads": 8, "vocab_size": 32000}
-    done = zerotrain_cli("plan", "llama", *_overrides(big), "--gpus", "1", "--gpu-memory", "16GiB",
-                         "--global-batch", "8")
+    done = zerotrain_main("plan", "llama", *_overrides(big), "--gpus", "1", "--gpu-memory", "16GiB",
+                          "--global-batch", "8")
     machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     assert f"CPU memory per node: {machine:.1f} GiB, this machine's" in done.stdout, done.stdout[:2000]
     assert done.returncode == 1 and "Nothing fits" in done.stdout and "Recommended" not in done.stdout
     assert "stage 3 + optimizer cpu + params cpu + checkpointing: CPU needs" in done.stdout
-    given = zerotrain_cli("plan", "llama", *_overrides(big), "--gpus", "1", "--gpu-memory", "16GiB",
+    given = zerotrain_main("plan", "llama", *_overrides(big), "--gpus", "1", "--gpu-memory", "16GiB",
                           "--global-batch", "8", "--cpu-memory", "2TiB")
     assert given.returncode == 0 and "this machine's" not in given.stdout and "Recommended: stage 3" in given.stdout
 

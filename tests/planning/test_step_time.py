@@ -187,7 +187,8 @@ def test_the_plan_takes_the_fastest_fitting_rung_and_says_why():
 
 
 @pytest.mark.slow
-def test_plan_scale_prints_the_curve_marks_where_communication_shows_and_draws_it(zerotrain_cli, tmp_path):
+def test_plan_scale_prints_the_curve_marks_where_communication_shows_and_draws_it(zerotrain_cli, zerotrain_main,
+                                                                                  tmp_path):
     png = tmp_path / "scale.png"
     done = zerotrain_cli("plan", REPO / "examples/models/llama-2-7b.json", "--gpus", "8", "--gpu-memory", "80GiB",
                          "--cpu-memory", "1TiB", "--global-batch", "512", "--seq-len", "4096", "--gpu", "a100-80gb",
@@ -196,11 +197,11 @@ def test_plan_scale_prints_the_curve_marks_where_communication_shows_and_draws_i
     assert "Predicted per rung" in out and "tok/s/GPU" in out and "Why: " in out
     assert "Scaling at the same global batch" in out and "communication shows from" in out
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    js = json.loads(zerotrain_cli("plan", REPO / "examples/models/llama-2-7b.json", "--gpus", "8", "--gpu-memory",
-                                  "80GiB", "--cpu-memory", "1TiB", "--global-batch", "512", "--seq-len", "4096",
-                                  "--scale", "8,64", "--json", check=True).stdout)
+    js = json.loads(zerotrain_main("plan", REPO / "examples/models/llama-2-7b.json", "--gpus", "8", "--gpu-memory",
+                                   "80GiB", "--cpu-memory", "1TiB", "--global-batch", "512", "--seq-len", "4096",
+                                   "--scale", "8,64", "--json", check=True).stdout)
     assert js["predicted"]["tokens_per_s_per_gpu"] > 0 and js["why"] and len(js["scale"]) >= 4
     assert {p["gpus"] for p in js["scale"][0]["points"]} == {8, 64}
-    bad = zerotrain_cli("plan", REPO / "examples/models/llama-2-7b.json", "--gpus", "8", "--gpu-memory", "80GiB",
-                        "--global-batch", "64", "--plot", png)
+    bad = zerotrain_main("plan", REPO / "examples/models/llama-2-7b.json", "--gpus", "8", "--gpu-memory", "80GiB",
+                         "--global-batch", "64", "--plot", png)
     assert bad.returncode == 2 and "--scale" in bad.stderr
