@@ -266,10 +266,10 @@ def test_deepspeed_monitor_section_says_what_to_use_instead(monitor):
 
 
 @pytest.mark.slow
-def test_config_check_of_a_train_yaml_points_its_monitor_at_the_logging_section(zerotrain_cli, tmp_path):
+def test_config_check_of_a_train_yaml_points_its_monitor_at_the_logging_section(zerotrain_main, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("model: {architecture: llama}\nzero: {wandb: {enabled: true, project: x}}\n")
-    proc = zerotrain_cli("config", "check", config)
+    proc = zerotrain_main("config", "check", config)
     _one_message(proc, "zero.wandb.enabled = true", "set logging.wandb.enabled: true", "delete zero.wandb")
 
 
@@ -277,14 +277,14 @@ def test_config_check_of_a_train_yaml_points_its_monitor_at_the_logging_section(
 
 
 @pytest.mark.slow
-def test_config_check_prints_a_train_yaml_merged_and_validated(zerotrain_cli, tmp_path):
+def test_config_check_prints_a_train_yaml_merged_and_validated(zerotrain_cli, zerotrain_main, tmp_path):
     (tmp_path / "base.yaml").write_text("model: {architecture: llama}\ntraining: {lr: 1.0e-3}\n")
     config = tmp_path / "run.yaml"
     config.write_text("inherit: [base.yaml]\ntraining: {micro_batch_size: 2}\n")
     verdict = zerotrain_cli("config", "check", config, "--set", "training.max_steps=7", check=True).stdout
     assert verdict == f"{config}: valid zerotrain train config: architecture llama, synthetic arithmetic data, " \
         "ZeRO stage 2, 7 steps, output runs/train (--show prints it with every default filled in)\n"
-    proc = zerotrain_cli("config", "check", config, "--set", "training.max_steps=7", "--show", check=True)
+    proc = zerotrain_main("config", "check", config, "--set", "training.max_steps=7", "--show", check=True)
     merged = yaml.safe_load(proc.stdout)
     assert merged["model"]["architecture"] == "llama"
     assert merged["training"]["lr"] == 1e-3 and merged["training"]["micro_batch_size"] == 2
@@ -293,14 +293,14 @@ def test_config_check_prints_a_train_yaml_merged_and_validated(zerotrain_cli, tm
 
 
 @pytest.mark.slow
-def test_config_check_of_a_bad_train_yaml_is_one_message(zerotrain_cli, tmp_path):
+def test_config_check_of_a_bad_train_yaml_is_one_message(zerotrain_cli, zerotrain_main, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("model: {architecture: lama}\ntraining: {micro_batch_sise: 2}\n")
     proc = zerotrain_cli("config", "check", config)
     _one_message(proc, f"invalid zerotrain train config in {config}", "micro_batch_sise",
                  "did you mean 'micro_batch_size'?")
     config.write_text("model: {architecture: lama}\n")
-    _one_message(zerotrain_cli("config", "check", config), "did you mean 'llama'?")
+    _one_message(zerotrain_main("config", "check", config), "did you mean 'llama'?")
 
 
 # --- unexpected errors, ZEROTRAIN_DEBUG, broken pipes -----------------------------------------

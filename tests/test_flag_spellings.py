@@ -13,14 +13,19 @@ TINY = ["--config-override", "hidden_size=64", "--config-override", "intermediat
         "--config-override", "vocab_size=512"]
 
 
+# Every spelling of each flag, paired so that each one appears at least once.
+SPELLING_PAIRS = [(GPUS_PER_NODE[i], NODES[i % len(NODES)]) for i in range(max(len(GPUS_PER_NODE), len(NODES)))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("per_node, nodes", [("--nproc_per_node", "--num_machines")])  # the shown ones: plan --help
-def test_estimate_and_plan_take_every_spelling_of_gpus_per_node_and_nodes(zerotrain_cli, per_node, nodes):
-    done = zerotrain_cli("estimate", "llama", *TINY, per_node, "4", nodes, "2", "--json", check=True)
+@pytest.mark.parametrize("per_node, nodes", SPELLING_PAIRS, ids=[f"{p}-{n}" for p, n in SPELLING_PAIRS])
+def test_estimate_and_plan_take_every_spelling_of_gpus_per_node_and_nodes(zerotrain_main, per_node, nodes):
+    # Parsing, in this process: tests/planning runs both commands as the console script.
+    done = zerotrain_main("estimate", "llama", *TINY, per_node, "4", nodes, "2", "--json", check=True)
     hardware = json.loads(done.stdout)["hardware"]
     assert (hardware["gpus_per_node"], hardware["nodes"]) == (4, 2)
-    plan = zerotrain_cli("plan", "llama", *TINY, per_node, "4", nodes, "2", "--gpu-memory", "8GB",
-                         "--cpu-memory", "64GB", "--global-batch", "16", "--json", check=True)
+    plan = zerotrain_main("plan", "llama", *TINY, per_node, "4", nodes, "2", "--gpu-memory", "8GB",
+                          "--cpu-memory", "64GB", "--global-batch", "16", "--json", check=True)
     assert json.loads(plan.stdout)["hardware"]["world_size"] == 8
 
 
@@ -56,7 +61,7 @@ def test_tune_takes_every_spelling_of_gpus_per_node(zerotrain_cli, spelling):
 
 
 @pytest.mark.slow
-def test_init_takes_the_shared_spellings(zerotrain_cli):
-    done = zerotrain_cli("init", "llama-3.2-1b", "--nnodes", "1", "--nproc_per_node", "2", "--gpu-memory", "80GB",
-                         "--cpu-memory", "64GB", "--seq-len", "512", "--global-batch", "4", "--yes", check=True)
+def test_init_takes_the_shared_spellings(zerotrain_main):
+    done = zerotrain_main("init", "llama-3.2-1b", "--nnodes", "1", "--nproc_per_node", "2", "--gpu-memory", "80GB",
+                          "--cpu-memory", "64GB", "--seq-len", "512", "--global-batch", "4", "--yes", check=True)
     assert "2 (from --gpus-per-node)" in done.stdout and "1 (from --nodes)" in done.stdout, done.stdout[-2000:]
