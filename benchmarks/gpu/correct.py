@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -114,9 +115,12 @@ def describe_machine() -> tuple[str, str]:
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run: Gloo, no CUDA)"
-    import transformers
-
-    versions = f"torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}"
+    # transformers' version from its metadata: importing it only for the string costs seconds of CPU.
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = "not installed"
+    versions = f"torch {torch.__version__}, transformers {transformers}, Python {sys.version.split()[0]}"
     return device, versions
 
 

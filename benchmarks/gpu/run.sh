@@ -62,7 +62,7 @@ import json, pathlib, sys
 site = pathlib.Path(sys.argv[1])
 wheels = json.loads(pathlib.Path(".whl/manifest.json").read_text())["wheels"]
 norm = lambda name: name.lower().replace("-", "_").replace(".", "_")
-folders = {"zerotrain": site / "base", "deepspeed": site / "deepspeed"}
+folders = {"zerotrain": site / "base", "comparison": site / "deepspeed"}  # wheel_plan.GROUP_DIRS's groups
 missing, checked = [], 0
 for group, folder in folders.items():
     if not folder.is_dir():

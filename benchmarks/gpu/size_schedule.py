@@ -111,7 +111,10 @@ class Schedule:
                            + (f", of which ~{reserve:.0f} s kept for the {later} searches after this" if reserve else "")
                            + ")")
             return None
-        wait_for_memory(self.available0 - GIB)  # a killed trial's pinned pages take a moment to come back
+        if not self.args.dry:
+            # A killed trial's pinned pages take a moment to come back. Not in a dry run: its trials pin
+            # nothing and take ~200 MiB, so there the wait would only be for other processes' memory.
+            wait_for_memory(self.available0 - GIB)
         timeout = min(self.args.trial_timeout_s, left)
         args, facts = self.args, self.facts
         rec = run_trial(search, size, python=args.deepspeed_python if search.engine == "deepspeed" else sys.executable,

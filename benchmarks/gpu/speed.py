@@ -7,9 +7,10 @@ checkpointing off and on, in one run; writes speed.json and speed.md (tables for
     python benchmarks/gpu/speed.py --out-dir runs/gpu-check --dry     # CPU smoke run, tiny sizes (GPU_CHECK_DRY=1 too)
     python benchmarks/gpu/speed.py --out-dir /tmp/smoke --dry --device cuda   # the dry sizes on the GPU: CUDA paths
 
-Per engine one fresh process (a world of one: NCCL on a GPU, Gloo on a CPU) runs both checkpointing
-modes: model built on the device from one seed, the harness's loop (benchmarks/worker.py) for
-warm-up, timed and memory steps, then one profiled step for the GPU timeline. Reported per engine
+Per engine one fresh process (a world of one: NCCL on a GPU, Gloo on a CPU; the dry run puts three
+engines in a process, one after the other: there its imports cost more than its steps) runs both
+checkpointing modes: model built on the device from one seed, the harness's loop (benchmarks/worker.py)
+for warm-up, timed and memory steps, then one profiled step for the GPU timeline. Reported per engine
 and mode: tokens/s, MFU, forward/backward/optimizer-step times, exposed communication, peak GPU
 memory against the planner's prediction, losses; and the targets, met or NOT met. See
 benchmarks/README.md. Exit status: 0 when the harness ran (missed targets are reported, not
@@ -40,11 +41,12 @@ from workload import add_workload_args  # noqa: E402
 ENGINES = ["plain", "zerotrain-0", "zerotrain-1", "zerotrain-2", "zerotrain-3",
            "deepspeed-0", "deepspeed-1", "deepspeed-2", "deepspeed-3", "fsdp2"]
 MODES = ("off", "on")
-# Dry runs: the same model config with these sizes (0.6M parameters; bf16 matmuls are slow on CPUs
-# without AVX-512, and the run must stay under a minute on 2 cores), and a short loop.
-DRY_SIZES = {"vocab": 1024, "hidden": 128, "intermediate": 352, "layers": 2, "heads": 4, "kv_heads": 2}
-#                 seq, micro-batch, warm-up, timed, per-engine timeout s, whole-run budget s
-DEFAULTS = {"gpu": (2048, None, 3, 8, 180, 540), "dry": (64, 2, 1, 2, 120, 300)}
+# Dry runs: the same model config with these sizes (0.1M parameters: bf16 matmuls are slow on CPUs
+# without AVX-512, and twelve engine-modes must stay well under a minute on 2 cores; the loss still
+# falls within the 3 steps), and a short loop.
+DRY_SIZES = {"vocab": 256, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
+#                 seq, micro-batch, warm-up, timed, per-engine timeout s, whole-run budget s, engines per process
+DEFAULTS = {"gpu": (2048, None, 3, 8, 180, 540, 1), "dry": (64, 2, 1, 2, 120, 300, 3)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per mode (default 3; dry 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 8; dry 2)")
     p.add_argument("--mem-steps", type=int, default=1, help="steps after the timed ones measuring memory per phase")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per engine process (default 180; dry 120)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per engine, from its process's go (default 180; dry 120)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="whole run (default 540; dry 300): engines not started by then are reported as not run")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -66,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-fraction", type=float, default=0.70,
                    help="--micro-batch auto: the share of GPU memory the planner's stage-0 prediction may take")
     p.add_argument("--split-modes", action="store_true", help="one process per engine and mode (slower)")
+    p.add_argument("--engines-per-process", type=int, default=None,
+                   help="engines run one after the other in one process (default 1; dry 3: a process's imports "
+                        "cost more than a dry engine's steps)")
     p.add_argument("--keep-traces", action="store_true", help="keep each profiled step's Chrome trace in the logs")
     add_workload_args(p)
     p.set_defaults(model_config=str(HERE / "llama-1b.json"), dtype="bf16", init_device="device",
@@ -88,9 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.out_dir:
         p.error("--out-dir is required")
     args.dry = args.dry or os.environ.get("GPU_CHECK_DRY", "").lower() in ("1", "true", "yes")
-    seq, mb, warmup, steps, timeout, budget = DEFAULTS["dry" if args.dry else "gpu"]
+    seq, mb, warmup, steps, timeout, budget, per_process = DEFAULTS["dry" if args.dry else "gpu"]
+    per_process = 1 if args.split_modes else per_process
     for name, value in (("seq", seq), ("micro_batch", mb), ("warmup", warmup), ("steps", steps),
-                        ("timeout", timeout), ("budget_s", budget)):
+                        ("timeout", timeout), ("budget_s", budget), ("engines_per_process", per_process)):
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.dry:
@@ -103,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [e for e in args.engine_list if e not in ENGINES] + [m for m in args.mode_list if m not in MODES]
     if bad:
         p.error(f"unknown engines or modes {bad}; engines: {ENGINES}, modes: {list(MODES)}")
+    if args.engines_per_process < 1 or (args.engines_per_process > 1 and args.split_modes):
+        p.error("--engines-per-process: 1 or more (1 with --split-modes: one process per engine and mode)")
     return args
 
 
@@ -111,7 +120,7 @@ def main(argv=None) -> int:
     if args.worker:
         from speed_worker import run
 
-        run(args.worker, args.settings, args.modes.split(","), args.result_dir, args.go_file)
+        run(args.worker.split(","), args.settings, args.modes.split(","), args.result_dir, args.go_file)
         return 0  # not reached: the worker exits the process
     return orchestrate(args)
 
@@ -205,16 +214,19 @@ def _orchestrate(args, started, env, out_dir, logs, settings_file, ds_missing, r
     return 0 if report["zerotrain_ok"] else 1
 
 
-def _jobs(args, ds_missing: str | None) -> tuple[dict[str, dict[str, dict]], list[tuple[str, list[str]]]]:
-    """(results holding the rows of engines that cannot run here, [(engine, modes) per process to start])."""
+def _jobs(args, ds_missing: str | None) -> tuple[dict[str, dict[str, dict]], list[tuple[list[str], list[str]]]]:
+    """(results holding the rows of engines that cannot run here, [(engines, modes) per process to start])."""
     results: dict[str, dict[str, dict]] = {e: {} for e in args.engine_list}
-    jobs = []
+    runnable = []
     for engine in args.engine_list:
         if engine.startswith("deepspeed") and ds_missing:
             results[engine] = {m: {"ok": False, "skipped": True, "reason": ds_missing} for m in args.mode_list}
         else:
-            jobs += [(engine, [m]) for m in args.mode_list] if args.split_modes else [(engine, args.mode_list)]
-    return results, jobs
+            runnable.append(engine)
+    if args.split_modes:
+        return results, [([engine], [m]) for engine in runnable for m in args.mode_list]
+    n = args.engines_per_process
+    return results, [(runnable[i:i + n], args.mode_list) for i in range(0, len(runnable), n)]
 
 
 def _expectations(args, cfg, gpu_memory: int | None):
@@ -252,20 +264,21 @@ def run_engines(args, jobs, first, results: dict[str, dict[str, dict]], env: dic
 
     pending = first
     try:
-        for i, (engine, modes) in enumerate(jobs):
+        for i, (engines, modes) in enumerate(jobs):
             current, pending = pending, None
             remaining = args.budget_s - (time.perf_counter() - started)
             if remaining < min(30.0, args.timeout):
                 current.kill()
                 why = f"not run: the time budget (--budget-s {args.budget_s:.0f}) was spent"
-                for later, later_modes in jobs[i:]:
-                    results[later].update({m: {"ok": False, "skipped": True, "reason": why} for m in later_modes})
-                say(f"{why}: {', '.join(dict.fromkeys(e for e, _ in jobs[i:]))}")
+                for later_engines, later_modes in jobs[i:]:
+                    for later in later_engines:
+                        results[later].update({m: {"ok": False, "skipped": True, "reason": why} for m in later_modes})
+                say(f"{why}: {', '.join(dict.fromkeys(e for es, _ in jobs[i:] for e in es))}")
                 break
             if i + 1 < len(jobs):
                 pending = EngineProcess(*jobs[i + 1], env, settings_file, logs)
-            results[engine].update(current.run(min(args.timeout, remaining),
-                                               lambda mode, r, engine=engine: report(engine, mode, r)))
+            for engine, by_mode in current.run(min(args.timeout * len(engines), remaining), report).items():
+                results[engine].update(by_mode)
             after_each()
     finally:
         if pending is not None:  # an interrupted run leaves no process waiting for its go

@@ -3,7 +3,9 @@
 Process start and imports (torch, transformers, the engine: seconds each) are no part of what is
 measured, so the next engine's process is started while the current one runs: it imports, then
 waits for its "go" file before touching the device. Its timeout runs from the go. On a timeout
-the process's whole session is killed (an engine may have started helpers).
+the process's whole session is killed (an engine may have started helpers). A process may run
+several engines one after the other (speed.py --engines-per-process: the dry run's, where the
+imports cost more than the engines).
 """
 
 from __future__ import annotations
@@ -28,42 +30,45 @@ def say(message: str) -> None:
 
 
 class EngineProcess:
-    """One engine's worker process, from its start (imports) through go to its results."""
+    """One worker process, running its engines in turn, from its start (imports) through go to its results."""
 
-    def __init__(self, engine: str, modes: list[str], env: dict, settings_file: Path, logs: Path) -> None:
-        self.engine, self.modes, self.logs = engine, modes, logs
+    def __init__(self, engines: list[str], modes: list[str], env: dict, settings_file: Path, logs: Path) -> None:
+        self.engines, self.modes, self.logs = engines, modes, logs
+        self.name = "+".join(engines)
         tag = "" if len(modes) > 1 else "." + modes[0]
-        self.go_file = logs / f"{engine}{tag}.go"
-        self.log = logs / f"{engine}{tag}.log"
-        for path in [self.go_file, *(self.result_file(m) for m in modes)]:
+        self.go_file = logs / f"{self.name}{tag}.go"
+        self.log = logs / f"{self.name}{tag}.log"
+        for path in [self.go_file, *(self.result_file(e, m) for e in engines for m in modes)]:
             path.unlink(missing_ok=True)
         with socket.socket() as s:  # a free port for this world's rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = dict(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [sys.executable, str(HERE / "speed.py"), "--worker", engine, "--settings", str(settings_file),
+        cmd = [sys.executable, str(HERE / "speed.py"), "--worker", ",".join(engines), "--settings", str(settings_file),
                "--modes", ",".join(modes), "--result-dir", str(logs), "--go-file", str(self.go_file)]
         with open(self.log, "w") as fh:
             # A session of its own, so a timeout can end the whole process group.
             self.proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def result_file(self, mode: str) -> Path:
-        return self.logs / f"{self.engine}.{mode}.json"
+    def result_file(self, engine: str, mode: str) -> Path:
+        return self.logs / f"{engine}.{mode}.json"
 
-    def run(self, timeout: float, report: Callable[[str, dict], None]) -> dict[str, dict]:
-        """Lets the process go; returns {mode: result}, calling `report` as each one arrives."""
-        say(f"{self.engine}: checkpointing {', '.join(self.modes)} ...")
+    def run(self, timeout: float, report: Callable[[str, str, dict], None]) -> dict[str, dict[str, dict]]:
+        """Lets the process go; returns {engine: {mode: result}}, calling `report` as each one arrives."""
+        say(f"{', '.join(self.engines)}: checkpointing {', '.join(self.modes)} ...")
         self.go_file.touch()
-        results: dict[str, dict] = {}
+        results: dict[str, dict[str, dict]] = {e: {} for e in self.engines}
+        runs = [(e, m) for e in self.engines for m in self.modes]
         start = time.perf_counter()
         timed_out = False
         while True:
             done = self.proc.poll() is not None
-            for mode in self.modes:
-                if mode not in results and self.result_file(mode).exists():
-                    results[mode] = json.loads(self.result_file(mode).read_text())  # written whole (rename)
-                    report(mode, results[mode])
+            for engine, mode in runs:
+                if mode not in results[engine] and self.result_file(engine, mode).exists():
+                    # written whole (rename)
+                    results[engine][mode] = json.loads(self.result_file(engine, mode).read_text())
+                    report(engine, mode, results[engine][mode])
             if done:
                 break
             if time.perf_counter() - start > timeout:
@@ -72,13 +77,13 @@ class EngineProcess:
                 break
             time.sleep(0.2)
         wall = time.perf_counter() - start
-        for mode in self.modes:
-            if mode not in results:
+        for engine, mode in runs:
+            if mode not in results[engine]:
                 why = (f"timed out after {timeout:.0f}s" if timed_out
                        else f"exit {self.proc.returncode} without a result: {tail(self.log)}")
-                results[mode] = {"ok": False, "reason": f"{why} (log: {self.log})"}
-                report(mode, results[mode])
-            results[mode]["process_wall_s"] = wall
+                results[engine][mode] = {"ok": False, "reason": f"{why} (log: {self.log})"}
+                report(engine, mode, results[engine][mode])
+            results[engine][mode]["process_wall_s"] = wall
         self.go_file.unlink(missing_ok=True)
         return results
 

@@ -129,7 +129,8 @@ def build_report(args, meta: dict, results: dict[str, dict[str, dict]], flops, p
         "sizes": {k: getattr(args, k) for k in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads")},
         "seq": args.seq, "micro_batch": args.micro_batch, "tokens_per_step": args.seq * args.micro_batch,
         "dtype": args.dtype, "attention": "sdpa", "warmup": args.warmup, "steps": args.steps,
-        "mem_steps": args.mem_steps, "world_size": 1, "seed": args.seed, "lr": args.lr, "clip": args.clip,
+        "mem_steps": args.mem_steps, "engines_per_process": args.engines_per_process, "world_size": 1,
+        "seed": args.seed, "lr": args.lr, "clip": args.clip,
         "optimizer": "torch.optim.AdamW (foreach); DeepSpeed and zerotrain from the same config with torch_adam",
     }
     flops_info = None if flops is None else {
@@ -151,6 +152,10 @@ METHODS = {
     "planner": "zerotrain.planning.rung_memory.estimate_rung(...).gpu_total for the rung (stage, checkpointing, "
                "micro-batch, bf16, SDPA, one GPU); plain torch is set against stage 0 and FSDP2 against stage 3",
 }
+
+
+def _processes(per_process: int) -> str:
+    return "one process per engine" if per_process == 1 else f"{per_process} engines per process, one after the other"
 
 
 def _params(n: int) -> str:
@@ -228,7 +233,7 @@ def markdown(rep: dict) -> str:
          f"{', sizes ' + str(s) if m['dry'] else ''}), random weights, {j['dtype']}, SDPA, seq {j['seq']}, "
          f"micro-batch {j['micro_batch']} ({m['micro_batch_reason']}), {j['tokens_per_step']:,} tokens/step, "
          f"{j['optimizer']}, clipping {j['clip']}; {j['warmup']} warm-up + {j['steps']} timed steps per engine "
-         "and mode; one process per engine, a world of 1 (NCCL on a GPU, Gloo on a CPU)."), "",
+         f"and mode; {_processes(j.get('engines_per_process', 1))}, a world of 1 (NCCL on a GPU, Gloo on a CPU)."), "",
         (f"FLOPs per step: {_flop(fl['model_flops_per_step'])} forward + backward (MFU), "
          f"+{_flop(fl['recompute_flops_per_step'])} recomputed with checkpointing (HFU); {fl['method']}."
          if fl else "FLOPs per step: not counted yet (partial report)."), "",
