@@ -214,17 +214,27 @@ class ZerotrainCLI:
             [zerotrain_script(), *map(str, args)], cwd=cwd or self.cwd, env=full_env,
             capture_output=True, text=True, timeout=timeout, input=input,
         )
-        if check:
-            assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        return proc
+        return _checked(proc, check)
+
+
+def _checked(proc, check: bool):
+    """`proc`, after asserting it exited 0 when `check` (with the ends of its output if not)."""
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _command_folder(tmp_path: Path) -> Path:
+    """The working directory a test's commands run from: tmp_path/cwd, never the repo root."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    return cwd
 
 
 @pytest.fixture
 def zerotrain_cli(tmp_path: Path) -> ZerotrainCLI:
     """`zerotrain_cli("train", "--output.dir", d, check=True)`: the console script, run from tmp_path/cwd."""
-    cwd = tmp_path / "cwd"
-    cwd.mkdir(exist_ok=True)
-    return ZerotrainCLI(cwd)
+    return ZerotrainCLI(_command_folder(tmp_path))
 
 
 class ZerotrainInProcess:
@@ -245,6 +255,7 @@ class ZerotrainInProcess:
         import subprocess
 
         from zerotrain.cli.main import main
+        from zerotrain.system.process_exit import exit_code_of
 
         out, err = io.StringIO(), io.StringIO()
         with self.monkeypatch.context() as patch:
@@ -256,19 +267,15 @@ class ZerotrainInProcess:
                 try:
                     code = main([str(a) for a in args])
                 except SystemExit as exit_request:  # argparse's usage errors, as the process would exit
-                    code = exit_request.code if isinstance(exit_request.code, int) else int(exit_request.code is not None)
-        proc = subprocess.CompletedProcess(["zerotrain", *map(str, args)], code, out.getvalue(), err.getvalue())
-        if check:
-            assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        return proc
+                    code = exit_code_of(exit_request)
+        return _checked(subprocess.CompletedProcess(["zerotrain", *map(str, args)], code, out.getvalue(), err.getvalue()),
+                        check)
 
 
 @pytest.fixture
 def zerotrain_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ZerotrainInProcess:
     """`zerotrain_main("plan", "llama", "--json")`: the command in this process, run from tmp_path/cwd."""
-    cwd = tmp_path / "cwd"
-    cwd.mkdir(exist_ok=True)
-    return ZerotrainInProcess(cwd, monkeypatch)
+    return ZerotrainInProcess(_command_folder(tmp_path), monkeypatch)
 
 
 @pytest.fixture
