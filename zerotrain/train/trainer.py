@@ -40,6 +40,7 @@ from zerotrain.train.run_state import RunState, plan_changes
 from zerotrain.train.run_folder import checkpoint_tag, clear_interrupted_saves, resolve_resume, run_tags_up_to
 from zerotrain.train.run_folder import tags_to_prune
 from zerotrain.train.step_prediction import comparison, read_prediction
+from zerotrain.train.stop_agreement import StopAgreement
 from zerotrain.train.step_window import StepWindow, as_float, describe_step
 
 log = logging.getLogger("zerotrain")
@@ -89,6 +90,7 @@ class Trainer:
         self.engine, *_ = zerotrain.initialize(
             model=self.model, model_parameters=decay_groups(self.model, t.weight_decay), config=engine_cfg
         )
+        self.stop_agreement = StopAgreement(self.stop, self.world)  # a collective: here, where every rank is
         if self.rank == 0:
             for note in notes:
                 log.warning(note)
@@ -169,13 +171,14 @@ class Trainer:
                     last_eval = self._evaluate(start) or last_eval
                     if last_eval:
                             progress.note(f"step {step}: eval loss {last_eval['eval_loss']:.4f}, ppl {last_eval['eval_ppl']:.2f}")
-                stopped = self._stop_requested()
+                stopped = self.stop_agreement.poll()  # no collective waited on in the step
                 if stopped or (t.save_interval and step % t.save_interval == 0):
                     self._save(start)
                 if stopped:
                     break
                 fault_point("after_step", number=step)  # ZEROTRAIN_FAULT=after_step:all:N: a crash test
                 progress.advance(step, last_loss, self._lr(), tokens_per_s)
+        self.stop_agreement.close()
         if not stopped and self.cfg.output.save_final and self.last_save_step != self.state.step:
             self._save(start)
         hf_dir = None
@@ -345,12 +348,6 @@ class Trainer:
             print(f"resumed from {path} at step {self.state.step}{why}", flush=True)
             for change in plan_changes(saved, self._plan()):
                 log.warning("resumed with a different %s", change)
-
-    def _stop_requested(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop.requested_here() else 0.0], device=self.device)
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _export_hf(self) -> Path | None:
         out = self.run_dir / HF_DIR
