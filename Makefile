@@ -47,7 +47,7 @@ check: install
 	$(PY) -m pytest -q $(XDIST) -m "not slow" --durations=10
 
 # The GPU check kit (docs/gpu.md). gpu-wheels: every wheel the GPU machine lacks, into the ignored
-# .whl/ (network needed once). gpu-check: all three parts; on a GPU machine with its own python3,
+# .whl/ (network needed once). gpu-check: all four parts; on a GPU machine with its own python3,
 # or GPU_CHECK_DRY=1 on a CPU machine (this venv, Gloo, tiny sizes), which `make test` also runs.
 gpu-wheels: install
 	$(PY) benchmarks/gpu/wheels.py --dest .whl

@@ -172,6 +172,8 @@ def ds_config(args, stage: int, offload: bool = False, cpu_adam: bool = False) -
     if not cpu_adam:  # DeepSpeedCPUAdam takes no `foreach`
         params.update(foreach=opt["foreach"], torch_adam=True)
     zero = {"stage": stage, "reduce_bucket_size": args.bucket_numel, "allgather_bucket_size": args.bucket_numel}
+    if getattr(args, "persistence_threshold", None) is not None:  # stage 3: shard even small parameters
+        zero["stage3_param_persistence_threshold"] = args.persistence_threshold
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
         if stage == 3:

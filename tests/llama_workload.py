@@ -101,14 +101,25 @@ def zero_config(stage: int, world: int, gas: int, dtype: str = "fp32", **zero_ex
     return cfg
 
 
-def train_zerotrain(config: dict, steps: int = STEPS, **model_kwargs) -> dict:
-    """This rank's part of a zerotrain run: its micro-batch losses per step and final weights."""
+def train_zerotrain(config: dict, steps: int = STEPS, compile: dict | None = None, wrap=None, zero_init: bool = False,
+                    **model_kwargs) -> dict:
+    """This rank's part of a zerotrain run: its micro-batch losses per step and final weights.
+    `compile`: the arguments of an `engine.compile(...)` call made before training; `wrap` as in
+    `train_reference`; `zero_init`: the model is built inside `zerotrain.zero.Init()`."""
     import torch.distributed as dist
 
     import zerotrain
 
-    model = make_model(**model_kwargs)
+    if zero_init:
+        from zerotrain.comm.distributed import init_distributed
+
+        init_distributed()  # zero.Init shards as it builds: the ranks must exist first
+    with zerotrain.zero.Init(enabled=zero_init):
+        model = make_model(**model_kwargs)
+    model = wrap(model) if wrap else model
     engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
+    if compile is not None:
+        engine.compile(**compile)
     world, rank = dist.get_world_size(), dist.get_rank()
     gas = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()

@@ -167,3 +167,64 @@ def test_build_loss_scaler_static():
     scaler = build_loss_scaler(SimpleNamespace(enabled=True, loss_scale=1024.0))
     assert isinstance(scaler, StaticLossScaler)
     assert scaler.loss_scale == 1024.0
+
+
+# --- the device scaler: the same rules as tensor arithmetic --------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_scaler_follows_the_host_scaler_on_random_overflow_sequences(seed):
+    import random
+
+    import torch
+
+    from zerotrain.runtime.precision import DeviceLossScaler
+
+    rng = random.Random(seed)
+    kw = dict(
+        scale_factor=rng.choice([2.0, 3.0, 1.5]),  # not only powers of two: float64 state rounds as Python
+        scale_window=rng.choice([1, 2, 3]),
+        min_scale=rng.choice([1.0, 4.0, 0.5]),
+        delayed_shift=rng.choice([1, 2, 3]),
+        consecutive_hysteresis=rng.choice([False, True]),
+    )
+    host = DynamicLossScaler(init_scale=2**8, **kw)
+    device = DeviceLossScaler(DynamicLossScaler(init_scale=2**8, **kw), torch.device("cpu"))
+    p_overflow = rng.choice([0.1, 0.4, 0.8])
+    for step in range(200):
+        overflow = rng.random() < p_overflow
+        assert device.loss_scale == host.loss_scale, (seed, step, kw)
+        host.update_scale(overflow)
+        device.update_scale(torch.tensor(float(overflow)))
+        assert device.settle() is overflow
+        assert device.state_dict() == host.state_dict(), (seed, step, kw)
+
+
+def test_device_scaler_raises_at_the_minimum_when_settled():
+    import torch
+
+    from zerotrain.runtime.precision import DeviceLossScaler
+
+    host = DynamicLossScaler(init_scale=2**8, min_scale=128, raise_error_at_min_scale=True)
+    device = DeviceLossScaler(host, torch.device("cpu"))
+    device.update_scale(torch.tensor(1.0))  # 256 -> 128
+    assert device.settle() is True
+    device.update_scale(torch.tensor(1.0))  # at the floor: the host version raises here
+    with pytest.raises(LossScaleAtMinimumError):
+        device.settle()
+
+
+def test_device_scaler_state_dict_loads_into_the_host_scaler_and_back():
+    import torch
+
+    from zerotrain.runtime.precision import DeviceLossScaler
+
+    device = DeviceLossScaler(make(2), torch.device("cpu"))
+    for overflow in (1.0, 0.0, 0.0, 1.0, 1.0):
+        device.update_scale(torch.tensor(overflow))
+    host = make(2)
+    host.load_state_dict(device.state_dict())
+    again = DeviceLossScaler(make(2), torch.device("cpu"))
+    again.load_state_dict(host.state_dict())
+    assert again.state_dict() == device.state_dict() == host.state_dict()
+    assert again.scale.dtype == torch.float32 and again.scale.item() == host.loss_scale

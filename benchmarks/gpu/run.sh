@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one part per call:  benchmarks/gpu/run.sh correct|speed|size|all [PART ARGS...]
+# The GPU check, one part per call:  benchmarks/gpu/run.sh correct|speed|size|multi|all [PART ARGS...]
 #
 # On the GPU machine (no network; see docs/gpu.md): installs the wheels carried in .whl/ into a
 # folder of their own, installs zerotrain from this tree (with its `zerotrain` command), runs the
@@ -13,8 +13,8 @@ cd "$(dirname "$0")/../.."
 part=${1:-}
 shift || true
 case "$part" in
-  correct|speed|size|all) ;;
-  *) echo "usage: benchmarks/gpu/run.sh correct|speed|size|all [PART ARGS...]   (docs/gpu.md)" >&2; exit 2 ;;
+  correct|speed|size|multi|all) ;;
+  *) echo "usage: benchmarks/gpu/run.sh correct|speed|size|multi|all [PART ARGS...]   (docs/gpu.md)" >&2; exit 2 ;;
 esac
 if [ "$part" = all ] && [ $# -gt 0 ]; then
   echo "run.sh all takes no part arguments: name one part to pass them to it" >&2; exit 2
@@ -53,7 +53,7 @@ if [ ! -f .whl/manifest.json ]; then
   exit 2
 fi
 install_wheels .whl "$SITE/base"
-case "$part" in speed|size|all) install_wheels .whl/deepspeed "$SITE/deepspeed" ;; esac
+case "$part" in speed|size|multi|all) install_wheels .whl/deepspeed "$SITE/deepspeed" ;; esac
 
 if [ "$DRY" = 1 ]; then
   # The wheels are for Python 3.12: check they landed, but run on this interpreter's own packages.
@@ -108,7 +108,7 @@ run_part() {  # PART [ARGS...]: its output goes to the terminal and to $RESULTS/
 }
 
 if [ "$part" = all ]; then
-  for p in correct speed size; do run_part "$p"; done
+  for p in correct speed size multi; do run_part "$p"; done
 else
   run_part "$part" "$@"
 fi

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """GPU check, speed: plain torch, zerotrain stages 0-3, DeepSpeed stages 0-3 and FSDP2 on one
-~1B Llama (benchmarks/gpu/llama-1b.json, random weights), bf16, seq 2048, SDPA, activation
-checkpointing off and on, in one run; writes speed.json and speed.md (tables for docs/benchmarks.md).
+~1B Llama (benchmarks/gpu/llama-1b.json, random weights), bf16, seq 2048, SDPA, eager and compiled
+(zerotrain and DeepSpeed by `engine.compile()`, FSDP2 by per-block compile), at the chosen micro-batch
+and at micro-batch 2, activation checkpointing off (and on, if asked), in one run; writes speed.json and
+speed.md (tables for docs/benchmarks.md). A column is "<engine>[-compile][-mb2]" (speed_variants.py).
 
-    python benchmarks/gpu/speed.py --out-dir runs/gpu-check           # one GPU (estimated 5-6 minutes on an H100)
+    python benchmarks/gpu/speed.py --out-dir runs/gpu-check           # one GPU (within a 540 s budget)
     python benchmarks/gpu/speed.py --out-dir runs/gpu-check --dry     # CPU smoke run, tiny sizes (GPU_CHECK_DRY=1 too)
     python benchmarks/gpu/speed.py --out-dir /tmp/smoke --dry --device cuda   # the dry sizes on the GPU: CUDA paths
 
@@ -36,17 +38,31 @@ sys.path.append(str(HERE.parent.parent))  # this checkout's zerotrain when none 
 
 # speed_launch first: its clock, which the progress lines count from, starts with the run.
 from speed_launch import say  # noqa: E402
+from speed_variants import column_names  # noqa: E402
 from workload import add_workload_args  # noqa: E402
 
-ENGINES = ["plain", "zerotrain-0", "zerotrain-1", "zerotrain-2", "zerotrain-3",
-           "deepspeed-0", "deepspeed-1", "deepspeed-2", "deepspeed-3", "fsdp2"]
+BASE_ENGINES = ["plain", "zerotrain-0", "zerotrain-1", "zerotrain-2", "zerotrain-3",
+                "deepspeed-0", "deepspeed-1", "deepspeed-2", "deepspeed-3", "fsdp2"]
+ENGINES = column_names(BASE_ENGINES)
+# The default columns, most wanted first (a spent budget cuts the tail, reported as not run): the issue's
+# targets need the compiled stages 0 and 3 beside their compiled peers, and micro-batch 2 at stages 0 and 3.
+GPU_COLUMNS = ["zerotrain-0-compile", "zerotrain-3-compile", "fsdp2-compile", "deepspeed-3-compile",
+               "deepspeed-0-compile", "zerotrain-3-compile-mb2", "zerotrain-0-compile-mb2",
+               "zerotrain-0", "zerotrain-3", "plain", "fsdp2", "deepspeed-3", "zerotrain-3-mb2", "zerotrain-0-mb2",
+               "deepspeed-0", "zerotrain-1", "zerotrain-2", "deepspeed-1", "deepspeed-2"]
+# The dry run: each path once (engine.compile, per-block compile, DeepSpeed's, micro-batch 2); a compiled
+# column costs ~20 s of tracing per mode on 2 CPU cores.
+DRY_COLUMNS = BASE_ENGINES + ["zerotrain-3-compile", "fsdp2-compile", "deepspeed-3-compile", "zerotrain-0-mb2"]
 MODES = ("off", "on")
 # Dry runs: the same model config with these sizes (0.1M parameters: bf16 matmuls are slow on CPUs
 # without AVX-512, and twelve engine-modes must stay well under a minute on 2 cores; the loss still
 # falls within the 3 steps), and a short loop.
 DRY_SIZES = {"vocab": 256, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
-#                 seq, micro-batch, warm-up, timed, per-engine timeout s, whole-run budget s, engines per process
-DEFAULTS = {"gpu": (2048, None, 3, 8, 180, 540, 1), "dry": (64, 2, 1, 2, 120, 300, 3)}
+#    seq, micro-batch, warm-up, timed, per-engine timeout s, whole-run budget s, engines per process, modes
+DEFAULTS = {"gpu": (2048, None, 3, 8, 180, 540, 1, "off"), "dry": (64, 2, 1, 2, 120, 300, 3, "off,on")}
+# torch.compile's backend: inductor on a GPU; the dry run's aot_eager traces the same graphs (dynamo, AOT
+# autograd) without inductor's code generation, which takes minutes of gcc on 2 CPU cores.
+COMPILE_BACKEND = {"gpu": "inductor", "dry": "aot_eager"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,8 +71,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry", action="store_true", help="tiny sizes on the CPU (also: env GPU_CHECK_DRY=1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                    help="default: cuda (auto) for the real run, cpu for --dry")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {ENGINES}")
-    p.add_argument("--checkpointing-modes", default=",".join(MODES), help="off, on or both (off,on)")
+    p.add_argument("--engines", default=None,
+                   help=f"comma-separated columns: an engine of {BASE_ENGINES}, optionally with -compile and/or "
+                        f"-mb2 (default: {','.join(GPU_COLUMNS)}; dry: {','.join(DRY_COLUMNS)})")
+    p.add_argument("--checkpointing-modes", default=None, help="off, on or both (off,on); default off (dry: off,on)")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend of the -compile columns (default inductor; dry aot_eager)")
+    p.add_argument("--world", type=int, default=1,
+                   help="ranks per column (one per GPU; the multi-GPU part, multi.py); default 1")
+    p.add_argument("--persistence-threshold", type=int, default=None,
+                   help="stage3_param_persistence_threshold for zerotrain and DeepSpeed (default: theirs, 1e5; "
+                        "multi.py's memory check gives 0, so a small model's parameters are sharded too)")
+    p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                   help="with --world > 1: the process group's backend (default: the engine's; gloo lets two "
+                        "ranks share one GPU, which NCCL refuses)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per mode (default 3; dry 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 8; dry 2)")
     p.add_argument("--mem-steps", type=int, default=1, help="steps after the timed ones measuring memory per phase")
@@ -94,10 +122,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.out_dir:
         p.error("--out-dir is required")
     args.dry = args.dry or os.environ.get("GPU_CHECK_DRY", "").lower() in ("1", "true", "yes")
-    seq, mb, warmup, steps, timeout, budget, per_process = DEFAULTS["dry" if args.dry else "gpu"]
+    kind = "dry" if args.dry else "gpu"
+    seq, mb, warmup, steps, timeout, budget, per_process, modes = DEFAULTS[kind]
     per_process = 1 if args.split_modes else per_process
     for name, value in (("seq", seq), ("micro_batch", mb), ("warmup", warmup), ("steps", steps),
-                        ("timeout", timeout), ("budget_s", budget), ("engines_per_process", per_process)):
+                        ("timeout", timeout), ("budget_s", budget), ("engines_per_process", per_process),
+                        ("checkpointing_modes", modes), ("compile_backend", COMPILE_BACKEND[kind]),
+                        ("engines", ",".join(DRY_COLUMNS if args.dry else GPU_COLUMNS))):
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.dry:
@@ -112,6 +143,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown engines or modes {bad}; engines: {ENGINES}, modes: {list(MODES)}")
     if args.engines_per_process < 1 or (args.engines_per_process > 1 and args.split_modes):
         p.error("--engines-per-process: 1 or more (1 with --split-modes: one process per engine and mode)")
+    if args.world < 1 or (args.world > 1 and any(e.startswith("plain") for e in args.engine_list)):
+        p.error("--world: 1 or more; plain torch runs a world of 1 only (with N ranks it would run N copies)")
     return args
 
 
@@ -132,7 +165,7 @@ def orchestrate(args) -> int:
     started = time.perf_counter()
     # Dry runs: one thread per process. Tiny matmuls gain nothing from two, and the next engine's process
     # imports meanwhile: two OpenMP threads spinning against it on 2 cores cost seconds per step.
-    args.nproc, args.threads = 1, (1 if args.dry else max(1, os.cpu_count() or 1))
+    args.nproc, args.threads = 1, (1 if args.dry else max(1, (os.cpu_count() or 1) // args.world))
     if args.device == "auto" and args.dry:  # the workers' environment depends on it (real runs need CUDA)
         import torch
 
@@ -147,7 +180,7 @@ def orchestrate(args) -> int:
     results, jobs = _jobs(args, ds_missing)
     # The first engine's process imports while this one imports torch and plans; it reads the
     # settings only after its go.
-    first = EngineProcess(*jobs[0], env, settings_file, logs) if jobs else None
+    first = EngineProcess(*jobs[0], env, settings_file, logs, world=args.world) if jobs else None
     try:
         return _orchestrate(args, started, env, out_dir, logs, settings_file, ds_missing, results, jobs, first)
     finally:
@@ -158,7 +191,7 @@ def orchestrate(args) -> int:
 def _orchestrate(args, started, env, out_dir, logs, settings_file, ds_missing, results, jobs, first) -> int:
     import torch
     from machine import resolve_machine
-    from speed_expect import choose_micro_batch, peak_tflops
+    from speed_expect import budget_line, choose_micro_batch, peak_tflops
     from speed_report import build_report, markdown
     from workload import llama_config, param_count
 
@@ -187,7 +220,12 @@ def _orchestrate(args, started, env, out_dir, logs, settings_file, ds_missing, r
     settings_file.write_text(json.dumps(settings, indent=1))
     say(f"{machine['device']}: Llama {param_count(args) / 1e6:,.1f}M params, seq {args.seq}, micro-batch "
         f"{args.micro_batch} ({mb_reason}), {args.dtype}, {args.warmup} warm-up + {args.steps} timed steps, "
-        f"checkpointing {'/'.join(args.mode_list)}, {args.threads} threads/process; logs in {logs}")
+        f"checkpointing {'/'.join(args.mode_list)}, {args.threads} threads/process, world {args.world}"
+        f"{' over ' + args.backend if args.backend else ''}; logs in {logs}")
+    if any("-compile" in e for e in args.engine_list):
+        say(f"compiled columns: torch.compile backend {args.compile_backend}"
+            + (" (the dry run's: inductor's code generation is too slow on 2 CPU cores)" if args.dry else ""))
+    say(budget_line(args.engine_list, args.mode_list, args.budget_s, args.dry))
 
     def write(final: bool) -> dict:
         """speed.json and speed.md from what has run so far (a killed run still leaves its rows)."""
@@ -199,6 +237,7 @@ def _orchestrate(args, started, env, out_dir, logs, settings_file, ds_missing, r
             "peak_tflops": peak, "peak_source": peak_source, "versions": machine["versions"],
             "omp_num_threads": args.threads, "micro_batch_reason": mb_reason,
             "wall_s": time.perf_counter() - started, "deepspeed": ds_missing or "installed",
+            "compile_backend": args.compile_backend, "world_size": args.world, "backend": args.backend,
         }
         report = build_report(args, meta, results, flops, predictions)
         (out_dir / "speed.json").write_text(json.dumps(report, indent=1))
@@ -230,18 +269,23 @@ def _jobs(args, ds_missing: str | None) -> tuple[dict[str, dict[str, dict]], lis
 
 
 def _expectations(args, cfg, gpu_memory: int | None):
-    """({"<stage>/<mode>": planner GPU bytes or None}, StepFlopCount) for the selected engines and modes."""
-    from speed_expect import count_flops, planner_stage, predict_gpu_bytes
+    """({prediction_key: planner GPU bytes or None}, StepFlopCount at the run's micro-batch) for the selected
+    columns and modes."""
+    from speed_expect import count_flops, planner_stage, predict_gpu_bytes, prediction_key
+    from speed_variants import column_micro_batch
 
     predictions: dict[str, int | None] = {}
-    for stage in sorted({s for s in map(planner_stage, args.engine_list) if s is not None}):
+    for engine in args.engine_list:
+        stage, mb = planner_stage(engine), column_micro_batch(engine, args.micro_batch)
         for mode in args.mode_list:
+            key = prediction_key(engine, mode, args.micro_batch)
+            if stage is None or key in predictions:
+                continue
             try:
-                predictions[f"{stage}/{mode}"] = predict_gpu_bytes(args, cfg, stage, mode == "on", args.micro_batch,
-                                                                   gpu_memory)
+                predictions[key] = predict_gpu_bytes(args, cfg, stage, mode == "on", mb, gpu_memory, args.world)
             except Exception as exc:  # noqa: BLE001 - the rows then show no prediction; the run goes on
-                predictions[f"{stage}/{mode}"] = None
-                say(f"planner prediction for stage {stage}, checkpointing {mode} failed: {exc}")
+                predictions[key] = None
+                say(f"planner prediction for stage {stage}, checkpointing {mode}, micro-batch {mb} failed: {exc}")
     return predictions, count_flops(cfg, args.micro_batch, args.seq)
 
 
@@ -251,6 +295,7 @@ def run_engines(args, jobs, first, results: dict[str, dict[str, dict]], env: dic
 
     The next engine's process starts (and imports) while the current one runs; see speed_launch.
     """
+    from speed_expect import prediction_key
     from speed_launch import EngineProcess
     from speed_report import progress_line
 
@@ -260,7 +305,8 @@ def run_engines(args, jobs, first, results: dict[str, dict[str, dict]], env: dic
 
     def report(engine: str, mode: str, r: dict) -> None:
         predictions, flops = expected.result() if expected.done() else ({}, None)
-        say(progress_line(engine, mode, r, args, flops, peak, predictions.get(_pkey(engine, mode))))
+        say(progress_line(engine, mode, r, args, flops, peak,
+                          predictions.get(prediction_key(engine, mode, args.micro_batch))))
 
     pending = first
     try:
@@ -276,19 +322,13 @@ def run_engines(args, jobs, first, results: dict[str, dict[str, dict]], env: dic
                 say(f"{why}: {', '.join(dict.fromkeys(e for es, _ in jobs[i:] for e in es))}")
                 break
             if i + 1 < len(jobs):
-                pending = EngineProcess(*jobs[i + 1], env, settings_file, logs)
+                pending = EngineProcess(*jobs[i + 1], env, settings_file, logs, world=args.world)
             for engine, by_mode in current.run(min(args.timeout * len(engines), remaining), report).items():
                 results[engine].update(by_mode)
             after_each()
     finally:
         if pending is not None:  # an interrupted run leaves no process waiting for its go
             pending.kill()
-
-
-def _pkey(engine: str, mode: str) -> str:
-    from speed_expect import planner_stage
-
-    return f"{planner_stage(engine)}/{mode}"
 
 
 def _deepspeed_missing() -> str | None:

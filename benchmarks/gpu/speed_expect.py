@@ -115,9 +115,40 @@ def planner_stage(engine: str) -> int | None:
     return int(rest.split("-")[0]) if rest[:1].isdigit() else None
 
 
+def prediction_key(column: str, mode: str, micro_batch: int) -> str:
+    """The planner prediction a column's row is set against: "<stage>/<mode>/mb<micro-batch>"."""
+    from speed_variants import column_micro_batch
+
+    return f"{planner_stage(column)}/{mode}/mb{column_micro_batch(column, micro_batch)}"
+
+
+# Seconds a column costs per checkpointing mode on one H100 (process start overlaps the previous column):
+# eager, from the loans' runs (8 columns in 190 s); compiled adds inductor's compile of one layer's forward
+# and backward, a guess until a loan measures it (the first column fills inductor's on-disk cache, later
+# ones mostly hit it). The dry run's figures are this machine's (2 CPU cores, aot_eager).
+COLUMN_SECONDS = {"gpu": {"eager": 25, "compile_first": 100, "compile": 45},
+                  "dry": {"eager": 3, "compile_first": 8, "compile": 6}}
+
+
+def budget_line(columns: list[str], modes: list[str], budget_s: float, dry: bool) -> str:
+    """The run's estimated length against its budget, naming the columns it would cut (the list's tail)."""
+    cost = COLUMN_SECONDS["dry" if dry else "gpu"]
+    total, cut, compiled = 0.0, [], 0
+    for column in columns:
+        each = cost["eager"]
+        if "-compile" in column:
+            each += cost["compile_first"] if compiled == 0 else cost["compile"]
+            compiled += 1
+        total += each * len(modes)
+        if total > budget_s:
+            cut.append(column)
+    return (f"estimated {total:.0f} s for {len(columns)} columns x {len(modes)} modes against the {budget_s:.0f} s "
+            "budget" + (f"; likely not reached: {', '.join(cut)}" if cut else ""))
+
+
 def predict_gpu_bytes(args, cfg, stage: int, checkpointing: bool, micro_batch: int,
-                      gpu_memory: int | None) -> int:
-    """The planner's GPU bytes for one rank of this job at `stage` (one GPU, no offload)."""
+                      gpu_memory: int | None, world: int = 1) -> int:
+    """The planner's GPU bytes for one rank of this job at `stage` (`world` GPUs of one node, no offload)."""
     from transformers import LlamaForCausalLM
     from workload import ds_config
 
@@ -129,7 +160,7 @@ def predict_gpu_bytes(args, cfg, stage: int, checkpointing: bool, micro_batch: i
     base = ds_config(_with(args, micro_batch=micro_batch), stage)
     estimate = estimate_rung(model, Rung(stage, gradient_checkpointing=checkpointing),
                              Workload(args.seq, micro_batch, args.dtype, "sdpa"),
-                             Hardware(gpus_per_node=1, gpu_memory=gpu_memory), base)
+                             Hardware(gpus_per_node=world, gpu_memory=gpu_memory), base)
     return estimate.gpu_total
 
 

@@ -1,4 +1,5 @@
-"""Starting the speed check's engine processes: one fresh process per engine, a world of one.
+"""Starting the speed check's engine processes: one fresh process per engine, a world of one
+(or one process per rank with `world`: the multi-GPU part, benchmarks/gpu/multi.py).
 
 Process start and imports (torch, transformers, the engine: seconds each) are no part of what is
 measured, so the next engine's process is started while the current one runs: it imports, then
@@ -30,9 +31,11 @@ def say(message: str) -> None:
 
 
 class EngineProcess:
-    """One worker process, running its engines in turn, from its start (imports) through go to its results."""
+    """One worker process per rank, running its engines in turn, from its start (imports) through go to its
+    results (rank 0 writes them; the other ranks log to `<name>.rank<r>.log`)."""
 
-    def __init__(self, engines: list[str], modes: list[str], env: dict, settings_file: Path, logs: Path) -> None:
+    def __init__(self, engines: list[str], modes: list[str], env: dict, settings_file: Path, logs: Path,
+                 world: int = 1) -> None:
         self.engines, self.modes, self.logs = engines, modes, logs
         self.name = "+".join(engines)
         tag = "" if len(modes) > 1 else "." + modes[0]
@@ -43,13 +46,18 @@ class EngineProcess:
         with socket.socket() as s:  # a free port for this world's rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = dict(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cmd = [sys.executable, str(HERE / "speed.py"), "--worker", ",".join(engines), "--settings", str(settings_file),
                "--modes", ",".join(modes), "--result-dir", str(logs), "--go-file", str(self.go_file)]
-        with open(self.log, "w") as fh:
-            # A session of its own, so a timeout can end the whole process group.
-            self.proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs = []
+        for rank in range(world):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                            LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            log = self.log if rank == 0 else self.log.with_suffix(f".rank{rank}.log")
+            with open(log, "w") as fh:
+                # A session of its own, so a timeout can end the whole process group.
+                self.procs.append(subprocess.Popen(cmd, env=rank_env, stdout=fh, stderr=subprocess.STDOUT,
+                                                   start_new_session=True))
+        self.proc = self.procs[0]  # rank 0: its exit status and log explain a missing result
 
     def result_file(self, engine: str, mode: str) -> Path:
         return self.logs / f"{engine}.{mode}.json"
@@ -63,7 +71,7 @@ class EngineProcess:
         start = time.perf_counter()
         timed_out = False
         while True:
-            done = self.proc.poll() is not None
+            done = all(proc.poll() is not None for proc in self.procs)
             for engine, mode in runs:
                 if mode not in results[engine] and self.result_file(engine, mode).exists():
                     # written whole (rename)
@@ -88,11 +96,12 @@ class EngineProcess:
         return results
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
 def wait_for_go(go_file: str | None, poll_s: float = 0.05) -> None:

@@ -8,6 +8,8 @@ kernels, which is what this test does on the CPU.
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import run_on_ranks
 from llama_workload import global_batch, make_model, param_groups, zero_config
 
@@ -38,3 +40,41 @@ def test_loading_keeps_this_engines_optimizer_kernel(tmp_path):
     loaded = run_on_ranks(1, _train, foreach, 1, str(tmp_path), None)[0]
     assert loaded["steps"] == 3
     assert all(not f and e for f, e in loaded["kernels"]), f"the checkpoint's kernel choice was taken: {loaded}"
+
+
+# --- the choice of kernel, and the scalar state's placement, given a device -------------------------
+# No GPU here: the decision and the placement are functions of a device, checked with CUDA and meta
+# placements; the meta device stands for "not the CPU" where a tensor must exist.
+
+
+def test_fp32_masters_on_cpu_or_cuda_take_the_fused_adam_kernel():
+    from types import SimpleNamespace
+
+    import torch
+
+    from zerotrain.optim.fused_kernels import takes_fused_adam
+
+    def on(device, dtype=torch.float32):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype)
+
+    assert takes_fused_adam([on("cuda:0"), on("cuda:1")])
+    assert takes_fused_adam([on("cpu")])
+    assert not takes_fused_adam([on("cuda:0", torch.bfloat16)])  # masters are fp32; a bf16 param is not one
+    assert not takes_fused_adam([on("cuda:0"), on("cpu")])  # one kind of device per optimizer
+    assert not takes_fused_adam([on("meta")]) and not takes_fused_adam([])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("saved_dtype", ["float32", "float64"])
+@pytest.mark.parametrize("key", ["step", "other"])
+def test_a_scalar_state_is_placed_by_the_loading_optimizers_rule_as_torch_places_it(fused, saved_dtype, key):
+    import torch
+
+    from zerotrain.optim.fused_kernels import scalar_state
+
+    param = torch.empty(4, device="meta")  # a parameter off the CPU, as on a GPU
+    group = {"params": [0], "fused": fused, "capturable": False}
+    saved = torch.tensor(3.0, dtype=getattr(torch, saved_dtype))
+    expected = torch.optim.Optimizer._process_value_according_to_param_policy(param, saved, 0, [group], key)
+    placed = scalar_state(3.0, saved.dtype, key, param, group)
+    assert (placed.device, placed.dtype) == (expected.device, expected.dtype)

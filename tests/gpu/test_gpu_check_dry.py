@@ -25,7 +25,7 @@ def _run(tmp_path: Path, *args: str, timeout: float = 60, **env: str) -> subproc
 
 def test_an_unknown_part_is_refused_with_the_usage(tmp_path):
     done = _run(tmp_path, "fast")
-    assert done.returncode == 2 and "usage: benchmarks/gpu/run.sh correct|speed|size|all" in done.stderr
+    assert done.returncode == 2 and "usage: benchmarks/gpu/run.sh correct|speed|size|multi|all" in done.stderr
 
 
 def test_without_a_gpu_the_real_check_refuses_and_names_the_dry_run(tmp_path):
@@ -39,18 +39,18 @@ def test_without_a_gpu_the_real_check_refuses_and_names_the_dry_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path):
     if not (REPO / ".whl" / "manifest.json").is_file():
         pytest.fail("no .whl/manifest.json: `make test` runs `make gpu-wheels` first; run it", pytrace=False)
-    done = _run(tmp_path, "all", timeout=840, GPU_CHECK_DRY="1")
+    done = _run(tmp_path, "all", timeout=1140, GPU_CHECK_DRY="1")
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     # every wheel of the manifest, DeepSpeed's group too, was installed by the real pip line
     wheels = json.loads((REPO / ".whl" / "manifest.json").read_text())["wheels"]
     assert f"all {len(wheels)} wheels of the manifest installed" in done.stdout, done.stdout[-3000:]
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.endswith(".tar.gz")) == [
-        f"{part}.{ext}" for part in ("correct", "size", "speed") for ext in ("json", "log", "md")
+        f"{part}.{ext}" for part in ("correct", "multi", "size", "speed") for ext in ("json", "log", "md")
     ]
 
     correct = json.loads((out / "correct.json").read_text())
@@ -76,6 +76,22 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path):
             assert all(b < a for a, b in zip(losses, losses[1:])), (engine, mode, losses, "did not train")
     assert {t["target"].split(" ")[0] for t in speed["targets"]} >= {"zerotrain-0"}
     assert "| zerotrain-3 | on |" in (out / "speed.md").read_text()
+    # the compiled columns (engine.compile, and FSDP2's per-block compile) and micro-batch 2 ran and trained
+    assert speed["job"]["compile_backend"] == "aot_eager"
+    for column in ("zerotrain-3-compile", "fsdp2-compile", "zerotrain-0-mb2"):
+        for mode in ("off", "on"):
+            row = speed["results"][column][mode]
+            assert row["ok"] and row["loss_final"] < row["loss_first"], (column, mode, row)
+            assert row["micro_batch"] == 2 and ("compile" not in column or row["compile_s"] > 0), (column, row)
+    assert speed["results"]["deepspeed-3-compile"]["off"]["skipped"]  # no DeepSpeed in this venv
+
+    multi = json.loads((out / "multi.json").read_text())
+    assert multi["ok"] and multi["meta"]["world"] == 2, (out / "multi.md").read_text()
+    # every stage at world 2 trained like world 1, and each rank held its share of what the stage shards
+    assert [(v["stage"], v["ok"]) for v in multi["parity"]["losses"]] == [(s, True) for s in range(4)]
+    assert [r["sharded"] for r in multi["parity"]["memory"][3]["ranks"]] == [
+        pytest.approx(0.5, abs=0.03)] * 2, multi["parity"]["memory"]
+    assert multi["comm"]["result"]["ranks"] == 2 and multi["speed"]["results"]["zerotrain-3"]["off"]["ok"]
     size = json.loads((out / "size.json").read_text())
     assert size["dry"]
     for mode in ("zero2-offload-opt", "zero3-offload-opt-param"):

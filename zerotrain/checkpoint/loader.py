@@ -24,6 +24,7 @@ from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.layout import LATEST, MASTER, META, STATE, param_slices_in, rng_file
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.saver import module_entries
+from zerotrain.optim.fused_kernels import scalar_state
 
 log = logging.getLogger("zerotrain")
 
@@ -150,13 +151,10 @@ def _load_optimizer_state(engine, reader: CheckpointReader) -> None:
                     buf[flat - lo : flat - lo + numel].copy_(reader.read_range(kind, name, start, start + numel))
             state[kind] = buf
         group = next(g for g in inner.param_groups if any(p is fp.master for p in g["params"]))
-        # As torch's Optimizer.load_state_dict: fused/capturable steps keep `step` on the parameter's device.
-        scalar_device = fp.master.device if group.get("fused") or group.get("capturable") else None
         for key, spec in meta["group_scalars"][fp.group_index].items():
             dtype = spec["dtype"]
-            state[key] = (
-                torch.tensor(spec["value"], dtype=getattr(torch, dtype), device=scalar_device) if dtype else spec["value"]
-            )
+            # Placed by this optimizer's rule (a fused kernel's `step` on the master's device), not the saver's.
+            state[key] = scalar_state(spec["value"], getattr(torch, dtype), key, fp.master, group) if dtype else spec["value"]
     for group, saved in zip(inner.param_groups, meta["param_groups"]):
         for key, value in saved.items():
             if key in group and key not in KERNEL_CHOICES:

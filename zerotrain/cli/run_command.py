@@ -10,7 +10,7 @@ command (`zerotrain launch`) first on PATH. See zerotrain/compat/deepspeed_stand
 
 Before that, what would fail on every rank stops here (a DeepSpeed JSON with comments given to
 the Trainer or to Accelerate, which `json.load` it), and what `accelerate launch` with DeepSpeed
-would drop without a word (a dynamo backend) is said in one warning.
+would drop without a word (a dynamo backend) is passed on to the ranks and said in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def add_run_command_parser(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="run a command (accelerate launch, torchrun, python ...) with `import deepspeed` meaning zerotrain",
         description="Runs COMMAND with zerotrain standing in for DeepSpeed: Hugging Face Trainer and Accelerate "
-        "scripts with a DeepSpeed config run unchanged, with nothing compiled.",
+        "scripts with a DeepSpeed config run unchanged (torch.compile, when asked for, is zerotrain's: "
+        "each decoder layer compiled in place).",
     )
     run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND ...",
                      help="the command and its arguments (a leading -- is optional)")
@@ -65,13 +66,15 @@ def run_command(args: argparse.Namespace) -> int:
 def _checked_environment(words: list[str], env: dict[str, str]) -> dict[str, str]:
     """The environment to run `words` in, once nothing in them would fail on every rank.
 
-    Raises UserInputError for a DeepSpeed config file the libraries cannot read; prints one warning
-    for dynamo settings an `accelerate launch` with DeepSpeed will not apply (compat/compile_settings.py).
+    Raises UserInputError for a DeepSpeed config file the libraries cannot read, or a dynamo backend
+    Accelerate refuses; an `accelerate launch` with DeepSpeed gets its dynamo settings in the ranks'
+    environment, which its own DeepSpeed launcher leaves out, and one line saying what is compiled
+    (compat/compile_settings.py).
     """
     from rich.markup import escape
 
     from zerotrain.compat.accelerate_launch_args import accelerate_launch_words, read_accelerate_launch
-    from zerotrain.compat.compile_settings import ignored_compile_settings
+    from zerotrain.compat.compile_settings import dynamo_launch
     from zerotrain.compat.json_only_configs import (
         accelerate_config_arguments,
         check_json_loadable,
@@ -84,8 +87,9 @@ def _checked_environment(words: list[str], env: dict[str, str]) -> dict[str, str
         return env
     launch = read_accelerate_launch(arguments, env)
     check_json_loadable(accelerate_config_arguments(launch, env))
-    ignored = ignored_compile_settings(launch, env)
-    if ignored is None:
+    dynamo = dynamo_launch(launch, env)
+    if dynamo is None:
         return env
-    error_console().print(f"[yellow]zerotrain run: warning: {escape(ignored.warning())}[/]")
-    return {key: value for key, value in env.items() if key not in ignored.drop_env}
+    if dynamo.compiles:
+        error_console().print(f"zerotrain run: {escape(dynamo.announcement())}")
+    return {**env, **dynamo.env}

@@ -7,6 +7,6 @@
 `init_distributed` is also `zerotrain.init_distributed`) and clear refusals for what zerotrain
 does not have. `json_only_configs.py`, `accelerate_launch_args.py` and `compile_settings.py` check, before
 a launch, what the Hugging Face libraries will do with the user's settings (a DeepSpeed JSON they
-`json.load`, a dynamo backend the DeepSpeed path does not apply). Built on the runtime below; the jobs
+`json.load`, a dynamo backend Accelerate's DeepSpeed launcher drops). Built on the runtime below; the jobs
 and the command line sit above it.
 """

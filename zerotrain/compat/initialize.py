@@ -79,6 +79,8 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
+    if cfg.compile.enabled:  # DeepSpeed 0.14's `compile` section: compiled as engine.compile() would
+        engine.compile(cfg.compile.backend, dict(cfg.compile.kwargs))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

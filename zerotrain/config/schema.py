@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from pydantic import Field, field_validator, model_validator
 
+from zerotrain.config.compile_schema import CompileConfig
 from zerotrain.config.feature_schema import (
     ActivationCheckpointingConfig,
     AutotuningConfig,
@@ -45,7 +46,6 @@ DEEPSPEED_KEYS_NOT_MODELED = frozenset({
     "aio",
     "amp",
     "comms_logger",
-    "compile",
     "compression_training",
     "curriculum_learning",
     "data_efficiency",
@@ -198,6 +198,8 @@ class ZeroTrainConfig(ConfigSection):
     """DeepSpeed autotuner."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint I/O options."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """torch.compile of each layer and the loss (config/compile_schema.py)."""
 
     other_deepspeed_keys: dict[str, Any] = {}
     """DeepSpeed keys zerotrain accepts but does not model (see DEEPSPEED_KEYS_NOT_MODELED)."""

@@ -66,6 +66,13 @@ def _non_default(section: str, default: Any) -> Callable[[ZeroTrainConfig], Any]
 
 NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
     NotYetBuilt(
+        "DeepCompile (ZeRO's collectives compiled into the graph)",
+        "compile.deepcompile",
+        _when(lambda cfg: cfg.compile.deepcompile),
+        "set compile.deepcompile to false; compile.enabled: true (or engine.compile()) compiles each layer and "
+        "the loss with ZeRO's hooks outside the graph",
+    ),
+    NotYetBuilt(
         "elastic checkpoints",
         "zero_optimization.elastic_checkpoint",
         _when(lambda cfg: cfg.zero_optimization.elastic_checkpoint),

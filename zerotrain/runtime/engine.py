@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -24,9 +23,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zerotrain.comm.distributed import read_launch_env
 from zerotrain.comm.fault_points import fault_point
+from zerotrain.runtime.compile import CompileMixin
 from zerotrain.runtime.engine_accessors import DeepSpeedAccessors
 from zerotrain.optim import build_optimizer, build_scheduler
-from zerotrain.runtime.precision import build_loss_scaler
+from zerotrain.runtime.precision import DeviceLossScaler, build_loss_scaler
+from zerotrain.runtime.step_settlement import StepSettlement
 from zerotrain.profiling.engine_profiler import EngineFlopsProfiler
 from zerotrain.comm.teardown import own_group
 from zerotrain.runtime.throughput_timer import ThroughputTimer
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zerotrain")
 
 
-class Engine(DeepSpeedAccessors, nn.Module):
+class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
     """Wraps a model for ZeRO data-parallel training; built by `zerotrain.initialize`.
 
     DeepSpeed's accessors (`train_batch_size()`, `get_lr()`, `was_step_applied()`, ...)
@@ -107,7 +108,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
             config.gradient_predivide_factor,
             grad_swap=nvme.grads,
         )
-        self.loss_scaler = build_loss_scaler(config.fp16)
+        host_scaler = build_loss_scaler(config.fp16)  # its scale and counters move to the device
+        self.loss_scaler = DeviceLossScaler(host_scaler, device) if host_scaler is not None else None
         self.optimizer = ZeroOptimizer(
             self.flat_params,
             options,
@@ -209,7 +211,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.reduce_in_backward = self.plan.reduces_in_backward(boundary) and not self._inside_no_sync
         self.reducer.boundary = boundary
-        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0  # fp16: a device scalar
         if scale_wrt_gas:
             scale /= self.gradient_accumulation_steps()
         if self.flops_profiler is not None:
@@ -243,20 +245,9 @@ class Engine(DeepSpeedAccessors, nn.Module):
             if self.reducer.unreduced:
                 self.reducer.reduce_remaining()  # the boundary backward ran inside no_sync(): reduce now
             fault_point("optimizer_step")
-            if self.optimizer.step():
-                self._step_applied = True
-                if self.lr_scheduler is not None:
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-                        self.lr_scheduler.step()
-            else:
-                self.skipped_steps += 1
-                if self.rank == 0:
-                    log.warning(
-                        "fp16 overflow at step %d: update skipped, loss scale now %s",
-                        self.global_steps,
-                        self.loss_scaler.loss_scale,
-                    )
+            self._settle_step()  # the previous fp16 step's flag: long finished, read before this step
+            self.optimizer.step()
+            self._boundary_step_done()  # fp16: applied until settled (step_settlement.py)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.tput_timer.step_done()
@@ -265,6 +256,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self.micro_steps += 1
 
     def _print_progress(self) -> None:
+        self._settle_step()  # a log line reads numbers anyway: settle this step first
         parts = [f"step {self.global_steps}", f"lr {self.get_lr()}", f"grad norm {self.get_global_grad_norm():.4g}"]
         if self.loss_scaler is not None:
             parts += [f"loss scale {self.loss_scaler.loss_scale:g}", f"skipped {self.skipped_steps}"]
@@ -307,6 +299,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         """
         from zerotrain.checkpoint.saver import save_checkpoint
 
+        self._settle_step()  # the counters and the scheduler as DeepSpeed would have them
+
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(
@@ -320,6 +314,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
     ) -> tuple[str | None, dict | None]:
         """Restores a checkpoint saved at any world size and stage; returns (load_path, client_state)."""
         from zerotrain.checkpoint.loader import load_checkpoint
+
+        self._settle_step()  # a pending outcome belongs to the state being replaced
 
         return load_checkpoint(
             self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only

@@ -7,7 +7,7 @@ change nothing. Where DeepSpeed's value is surprising it is kept and said so bel
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from zerotrain.config import ZeroTrainConfig
@@ -30,6 +30,8 @@ class DeepSpeedAccessors:
     micro_steps: int
     # DeepSpeed's _step_applied: False until a step() updates the weights; the engine sets it.
     _step_applied: bool = False
+    # Settles a pending fp16 step (StepSettlement, step_settlement.py): what depends on its outcome calls it.
+    _settle_step: Callable[[], None]
 
     # --- process layout --------------------------------------------------------------------
 
@@ -83,7 +85,8 @@ class DeepSpeedAccessors:
         return self.parsed_config.gradient_clipping
 
     def get_lr(self) -> list[float]:
-        """The lr of every param group."""
+        """The lr of every param group (after an fp16 step: as settled, a host read)."""
+        self._settle_step()
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_mom(self) -> list:
@@ -94,7 +97,8 @@ class DeepSpeedAccessors:
         return [g.get(key, 0.0) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """Norm of the whole (unscaled, unclipped) gradient at the last step; inf if fp16 overflowed."""
+        """Norm of the whole (unscaled, unclipped) gradient at the last step; inf if fp16 overflowed.
+        It stays on the device until asked for: this is a host read."""
         return self.optimizer.last_grad_norm
 
     def fp16_enabled(self) -> bool:
@@ -109,5 +113,6 @@ class DeepSpeedAccessors:
 
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` changed the weights: False before any step, after a step
-        inside an accumulation, and after an fp16 overflow skipped the update."""
+        inside an accumulation, and after an fp16 overflow skipped the update (a host read then)."""
+        self._settle_step()
         return self._step_applied

@@ -170,6 +170,122 @@ class DynamicLossScaler(LossScaler):
 LossScaler = StaticLossScaler | DynamicLossScaler
 
 
+class DeviceLossScaler:
+    """A loss scaler whose scale and counters live on the training device: no host reads in a step.
+
+    Built from a host scaler (`StaticLossScaler` or `DynamicLossScaler`), whose rules it applies
+    as tensor arithmetic, equal step for step (`update_scale`). What the host version does at once,
+    this one leaves to `report` (or `settle`), called when the step has long finished: the log line of a shrink
+    or a spent hysteresis, and `LossScaleAtMinimumError` (raised then, one step late). The state is
+    kept in float64/int64 so a scale factor that is not a power of two rounds as on the host.
+    """
+
+    def __init__(self, host: StaticLossScaler | DynamicLossScaler, device: torch.device) -> None:
+        self.dynamic = host.dynamic
+        self.host = host  # the configuration (factor, window, limits); its own state is not used
+        self.device = torch.device(device)
+        self._event: torch.Tensor | None = None  # [overflow, scale before, scale after, hysteresis before]
+        self.load_state_dict(host.state_dict())
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale, an fp32 device scalar: multiplies the loss, divides the gradients."""
+        return self._scale32
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale as a number: a host read, for logs and users who ask."""
+        return float(self._scale.item())
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name for `loss_scale`."""
+        return self.loss_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``loss * scale`` without reading the scale."""
+        return loss * self._scale32
+
+    def update_scale(self, overflow: torch.Tensor) -> None:
+        """Advance one step on the device; ``overflow`` is a scalar tensor, non-zero when the step
+        overflowed. Records what `settle` reports."""
+        ov = overflow.to(self.device) != 0
+        before, hysteresis = self._scale, self._hysteresis
+        if self.dynamic:
+            h = self.host
+            shrink = ov & ((self._hysteresis == 1) | (h.delayed_shift == 1))
+            stable = self._iter - self._last_overflow - 1
+            grow = ~ov & (stable > 0) & (stable % h.scale_window == 0)
+            shrunk = (before / h.scale_factor).clamp(min=h.min_scale)
+            self._scale = torch.where(shrink, shrunk, torch.where(grow, before * h.scale_factor, before))
+            refill = ~ov if h.consecutive_hysteresis else grow
+            spent = torch.where(ov & ~shrink, hysteresis - 1, hysteresis)
+            self._hysteresis = torch.where(refill, torch.full_like(hysteresis, h.delayed_shift), spent)
+            self._last_overflow = torch.where(ov, self._iter, self._last_overflow)
+            self._iter = self._iter + 1
+            self._scale32 = self._scale.float()
+        self._event = torch.stack([ov.double(), before, self._scale, hysteresis.double()])
+
+    def settle(self) -> bool | None:
+        """Reads the last update's record (a host read) and `report`s it; None when none is pending."""
+        if self._event is None:
+            return None
+        record, self._event = self._event.tolist(), None
+        return self.report(record)
+
+    def report(self, record: list[float]) -> bool:
+        """Logs an update's record (`pending_event`, read once the step has finished) as the host
+        scaler does, and raises `LossScaleAtMinimumError` where it would have. Returns whether that
+        step overflowed."""
+        overflow, before, after, hysteresis = record
+        if overflow and self.dynamic:
+            h = self.host
+            if h.delayed_shift == 1 or hysteresis == 1:
+                if before == h.min_scale and h.raise_error_at_min_scale:
+                    raise LossScaleAtMinimumError(
+                        f"fp16 gradients overflowed with the loss scale already at its minimum "
+                        f"({h.min_scale}); training has diverged. Lower the learning rate, or set "
+                        f"fp16.min_loss_scale lower"
+                    )
+                logger.info("fp16 overflow, skipping step: loss scale %g -> %g", before, after)
+            else:
+                logger.info(
+                    "fp16 overflow, skipping step: loss scale %g kept, hysteresis %d -> %d",
+                    before, hysteresis, hysteresis - 1,
+                )
+        return bool(overflow)
+
+    def take_event(self) -> torch.Tensor | None:
+        """The last update's record, handed over for a later `report` (None if none is pending)."""
+        event, self._event = self._event, None
+        return event
+
+    def state_dict(self) -> dict[str, Any]:
+        """The host scaler's checkpoint keys and values (a host read: on save only)."""
+        state = {"cur_scale": self.loss_scale}
+        if self.dynamic:
+            state.update(
+                cur_iter=int(self._iter.item()),
+                last_overflow_iter=int(self._last_overflow.item()),
+                cur_hysteresis=int(self._hysteresis.item()),
+            )
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` (this one's or a host scaler's) produced."""
+        self.host.load_state_dict(state)  # validates and converts as the host does
+        h, dev = self.host, self.device
+        self._scale = torch.tensor(h.cur_scale, dtype=torch.float64, device=dev)
+        self._scale32 = self._scale.float()
+        if self.dynamic:
+            self._iter = torch.tensor(h.cur_iter, dtype=torch.int64, device=dev)
+            self._last_overflow = torch.tensor(h.last_overflow_iter, dtype=torch.int64, device=dev)
+            self._hysteresis = torch.tensor(h.cur_hysteresis, dtype=torch.int64, device=dev)
+        else:
+            self._hysteresis = torch.ones((), dtype=torch.int64, device=dev)
+        self._event = None
+
+
 def _setting(cfg: Any, name: str, default: Any) -> Any:
     """Read ``name`` from an attribute-style config object or a plain mapping."""
     if isinstance(cfg, Mapping):

@@ -154,6 +154,9 @@ class TrainingSection(ConfigSection):
     """Compute the LM head and the loss this many tokens at a time, recomputing each chunk's logits
     in backward, so the full fp32 logits (4 bytes x tokens x vocabulary) never exist at once.
     None: the model's own loss. Llama, Mistral, Qwen2/3 and GPT-2 heads only."""
+    compile: bool = False
+    """torch.compile (inductor) each decoder layer and the loss, ZeRO's hooks outside the graph: the
+    DeepSpeed section's compile.enabled (its compile.backend and compile.kwargs apply)."""
     seed: int = 42
     """Seed for model initialization and dropout."""
     eval_interval: NonNegativeInt = 100
@@ -313,8 +316,12 @@ class TrainConfig(ConfigSection):
         return self.model_dump(mode="json", exclude={"inherit"})
 
     def zero_dict(self) -> dict[str, Any]:
-        """A copy of the DeepSpeed section as written ("auto" values not yet filled)."""
-        return copy.deepcopy(self.zero)
+        """A copy of the DeepSpeed section as written ("auto" values not yet filled); training.compile
+        switches its compile.enabled on."""
+        zero = copy.deepcopy(self.zero)
+        if self.training.compile:
+            zero["compile"] = {**(zero.get("compile") or {}), "enabled": True}
+        return zero
 
     def zero_config(self) -> ZeroTrainConfig:
         """The DeepSpeed section validated ("auto" values not yet filled); ConfigError if invalid."""

@@ -30,6 +30,7 @@ from zerotrain.comm.fault_points import fault_point
 from zerotrain.profiling.device_peaks import peak_tflops
 from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing
 from zerotrain.runtime.chunked_loss import enable_chunked_loss
+from zerotrain.runtime.compile import eager_for_counting
 from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory
 from zerotrain.train.model import build_model, decay_groups, max_positions
 from zerotrain.train.progress import TrainingProgress
@@ -137,6 +138,7 @@ class Trainer:
         first_step = self.first_step = self.state.step
         window = StepWindow(self.state.step, start)
         last_loss = math.nan
+        last_lr = self._lr()  # read with each metrics line: reading it every step settles fp16's step on the host
         last_eval: dict = self.metrics.earlier_eval()  # a resumed run that stops before its first evaluation
         stopped = False
         progress = TrainingProgress(self.rank == 0, self.cfg.logging.progress_bar, self.total_steps, first_step)
@@ -165,7 +167,7 @@ class Trainer:
                 step = self.state.step
                 if step % self.cfg.logging.interval == 0 or step == self.total_steps:
                     tokens_per_s = window.tokens_per_s(self.tokens_per_step)
-                    last_loss = self._log_train(window, start, progress)
+                    last_loss, last_lr = self._log_train(window, start, progress), self._lr()
                     window = StepWindow(step, time.perf_counter())
                 if t.eval_interval and (step % t.eval_interval == 0 or step == self.total_steps):
                     last_eval = self._evaluate(start) or last_eval
@@ -177,7 +179,7 @@ class Trainer:
                 if stopped:
                     break
                 fault_point("after_step", number=step)  # ZEROTRAIN_FAULT=after_step:all:N: a crash test
-                progress.advance(step, last_loss, self._lr(), tokens_per_s)
+                progress.advance(step, last_loss, last_lr, tokens_per_s)
         self.stop_agreement.close()
         if not stopped and self.cfg.output.save_final and self.last_save_step != self.state.step:
             self._save(start)
@@ -221,7 +223,8 @@ class Trainer:
             if count_flops and micro == 0:
                 from torch.utils.flop_counter import FlopCounterMode
 
-                with FlopCounterMode(display=False) as counter:
+                # Eager for this micro-batch (a compiled graph hides its FLOPs from the counter).
+                with eager_for_counting(), FlopCounterMode(display=False) as counter:
                     loss = engine(input_ids=input_ids, labels=labels).loss
                     engine.backward(loss)
                 self.flops_per_step = float(counter.get_total_flops()) * engine.gradient_accumulation_steps()

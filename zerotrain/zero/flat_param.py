@@ -7,6 +7,11 @@ the gradient is kept whole or only as the shard is the stage's decision (see
 `zerotrain/zero/stage.py`); this class only holds the buffers. With NVMe offload
 the shards themselves may be parked on disk (`nvme_params.py`, `nvme_offload.py`):
 write them through `set_shard`, never by copying into `shard()` or `master`.
+
+Per-use host work is kept to pointer swaps: each parameter's view of `data` is made
+once per buffer (a freed buffer keeps its storage object, emptied in place, so the
+views stay valid across free and gather), and a shared `LiveElements` tally follows
+every gather and free so the stage-3 gatherer never sums over buckets.
 """
 
 from __future__ import annotations
@@ -16,6 +21,14 @@ import math
 
 import torch
 from torch import nn
+
+
+class LiveElements:
+    """Elements of the sharded buckets now whole on this rank or being gathered, kept up to date
+    by `FlatParam.gather` and `free` for every bucket given this tally (stage 3's live limit)."""
+
+    def __init__(self) -> None:
+        self.numel = 0
 
 
 class FlatParam:
@@ -34,6 +47,7 @@ class FlatParam:
         self.names = names
         self.group_index = group_index
         self.shapes = [p.shape for p in params]
+        self._strides = [_contiguous_strides(shape) for shape in self.shapes]
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
@@ -45,12 +59,17 @@ class FlatParam:
         with torch.no_grad():
             for p, off, n in zip(params, self.offsets, self.numels):
                 self.data[off : off + n].copy_(p.detach().reshape(-1))
+        self._param_views: list[torch.Tensor] = []  # each parameter's view of `data`, made once per buffer
+        self._views_of: torch.Tensor | None = None  # the buffer `_param_views` view
+        self._empty: torch.Tensor | None = None  # what freed parameters hold (one tensor for all)
         self._point_params_at_data()
         self.unit: nn.Module | None = None  # stage 3: the module whose forward needs these parameters
         self.persistent = False  # stage 3: small parameters kept whole, like stage 2's
         self.local_shard: torch.Tensor | None = None  # stage 3: the rank's slice while `data` is freed
         self.gathered = True
         self._pending_gather = None  # work handle of a prefetch in flight
+        self.live_tally: LiveElements | None = None  # stage 3: counts this bucket while whole or in flight
+        self.grad_pool = None  # stages 2-3: a GradBufferPool lending `grad_full` during backward
         self.swap = None  # stage 3 on NVMe: the NvmeParamOffload parking `local_shard` between uses
         self.master_swap = None  # NVMe optimizer offload: the NvmeOptimizerOffload parking `master`
         self.master: torch.Tensor | None = None  # fp32 shard the optimizer updates
@@ -60,6 +79,8 @@ class FlatParam:
         # zeros). Clearing the gradient only marks the slots, so no step pays for a memset of Ψ: the
         # next gradient overwrites its slot, and `ensure_grad_full` zeroes the slots nobody wrote.
         self._grad_unwritten = [True] * len(params)
+        self._grad_slots: list[torch.Tensor] = []  # each parameter's slot of `grad_full`, shaped as it
+        self._grad_slots_of: torch.Tensor | None = None  # the buffer `_grad_slots` view
         self.grad_shard: torch.Tensor | None = None  # this rank's reduced gradient slice
 
     @property
@@ -102,14 +123,19 @@ class FlatParam:
         if self._pending_gather is not None:
             self.gather()  # a prefetch nobody used: let it land before releasing its memory
         if self.local_shard is not None and self.gathered:
-            empty = torch.empty(0, dtype=self.data.dtype, device=self.data.device)
+            empty = self._empty
+            if empty is None or empty.dtype != self.data.dtype:
+                empty = self._empty = torch.empty(0, dtype=self.data.dtype, device=self.data.device)
             for p in self.params:
                 p.data = empty
             if hand_over:
                 self.data = empty  # the next gather allocates a new buffer
+                self._param_views, self._views_of = [], None  # they would keep the user's storage alive
             else:
                 self.data.untyped_storage().resize_(0)
             self.gathered = False
+            if self.live_tally is not None:
+                self.live_tally.numel -= self.padded_numel
         if self.swap is not None:
             self.swap.release(self)  # a read that a prefetch started and no gather used
 
@@ -133,6 +159,8 @@ class FlatParam:
                 self.data = torch.empty(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
             shard = self.local_shard.to(self.data.device, non_blocking=True)  # offloaded shards come in first
             self._pending_gather = zdist.all_gather(self.data, shard, "param", async_op=True)
+            if self.live_tally is not None:
+                self.live_tally.numel += self.padded_numel
         if async_op:
             return
         self._pending_gather.wait()
@@ -181,27 +209,45 @@ class FlatParam:
             self.local_shard = self.local_shard.to(dtype)
 
     def _point_params_at_data(self) -> None:
-        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = self.data[off : off + n].view(shape)
+        if self._views_of is not self.data:  # a new buffer (cast, hand-over, zero.Init): new views
+            self._param_views = [self._slot(self.data, i) for i in range(len(self.params))]
+            self._views_of = self.data
+        for p, view in zip(self.params, self._param_views):
+            p.data = view
+
+    def _slot(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter `index`'s place in `buffer`, shaped as the parameter (one view op, not two)."""
+        shape = self.shapes[index]
+        return buffer.as_strided(shape, self._strides[index], self.offsets[index])
 
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
         """Accumulates one parameter's gradient into the whole-gradient buffer."""
-        off, n = self.offsets[index], self.numels[index]
-        slot = self._grad_buffer()[off : off + n]
+        buffer = self._grad_buffer()
+        if self._grad_slots_of is not buffer:  # views made once per buffer (per step at most)
+            self._grad_slots = [self._slot(buffer, i) for i in range(len(self.params))]
+            self._grad_slots_of = buffer
+        slot = self._grad_slots[index]
         if self._grad_unwritten[index]:
-            slot.copy_(grad.reshape(-1))  # the first gradient since the clear: nothing to add to
+            slot.copy_(grad)  # the first gradient since the clear: nothing to add to
             self._grad_unwritten[index] = False
         else:
-            slot.add_(grad.reshape(-1))
+            slot.add_(grad)
 
     def ensure_grad_full(self) -> torch.Tensor:
         """The whole-gradient buffer, every slot valid: zeros where no parameter wrote a gradient."""
         grad = self._grad_buffer()
         for i, unwritten in enumerate(self._grad_unwritten):
             if unwritten:
-                grad[self.offsets[i] : self.offsets[i] + self.numels[i]].zero_()
+                self._slot(grad, i).zero_()
                 self._grad_unwritten[i] = False
         return grad
+
+    def release_grad_full(self) -> None:
+        """Drops the whole-gradient buffer (stages 2-3, once reduced): back to the pool it came from."""
+        if self.grad_full is not None and self.grad_pool is not None:
+            self.grad_pool.give_back(self.grad_full)
+        self.grad_full = None
+        self._grad_slots, self._grad_slots_of = [], None  # they would keep the buffer alive
 
     def clear_grad_full(self) -> None:
         """The whole gradient reads as zeros from now on, without writing Ψ zeros (see `add_grad`)."""
@@ -225,8 +271,12 @@ class FlatParam:
             self.grad_shard = self.grad_shard.clone()  # grad_full is about to be written
         if self.grad_full is None:
             # Uninitialized: every slot is written by its gradient or zeroed by ensure_grad_full.
-            self.grad_full = torch.empty(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
-            self.grad_full[self.numel :].zero_()  # the padding: no parameter ever writes it
+            if self.grad_pool is not None:
+                self.grad_full = self.grad_pool.take(self.padded_numel, self.data.dtype, self.data.device)
+            else:
+                self.grad_full = torch.empty(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
+            if self.padding:
+                self.grad_full[self.numel :].zero_()  # the padding: no parameter ever writes it
             self.clear_grad_full()
         return self.grad_full
 
@@ -252,6 +302,14 @@ def shard_layout(numel: int, world_size: int, rank: int, sharded: bool) -> tuple
     padded_numel = math.ceil(numel / parts) * parts
     shard_size = padded_numel // parts
     return padded_numel, shard_size, rank * shard_size if sharded else 0
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _on(t: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -19,7 +19,10 @@ shard is the rank's slice of it, so no copy and no Ψ-sized temporary is made. A
 backward that does not reduce (stages 0-1 before the boundary, or inside
 `no_sync()`) leaves `unreduced` set; the engine's step then reduces what is left.
 With the optimizer on NVMe (stages 2-3) the shard is parked on disk too
-(`nvme_grads.py`).
+(`nvme_grads.py`). At stages 2-3 the whole-gradient buffers and reduce-scatter
+temporaries are lent by a GradBufferPool from one bucket to the next, emptied at the end
+of each reducing backward (`grad_buffer_pool.py`). The hooks run eagerly under
+torch.compile (`eager_hooks.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zerotrain.comm import distributed as zdist
+from zerotrain.zero.eager_hooks import eager_hook
 from zerotrain.zero.flat_param import FlatParam
+from zerotrain.zero.grad_buffer_pool import GradBufferPool
 
 # Reductions in flight before the oldest is waited on: bounds the memory held by
 # whole-gradient buffers awaiting their reduce-scatter.
@@ -79,7 +84,13 @@ class GradReducer:
         self._next_launch = 0
         self._in_flight: deque = deque()
         self._callback_queued = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
+        # Stages 2-3 drop each whole gradient once reduced: its buffer serves the next bucket.
+        self.pool = GradBufferPool() if stage >= 2 else None
+        for fp in flat_params:
+            fp.grad_pool = self.pool
+        self._on_backward_end_eager = eager_hook(self._on_backward_end)
+        on_grad = eager_hook(self._on_grad)
+        self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self._slot]
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -103,7 +114,7 @@ class GradReducer:
             self.unreduced = True
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end_eager)
         if self.reduce_in_backward:
             while self._next_launch < len(self.flat_params) and len(self._ready[self._next_launch]) == len(
                 self.flat_params[self._next_launch].params
@@ -128,6 +139,8 @@ class GradReducer:
             self._complete(*self._in_flight.popleft())
         self._next_launch = 0
         self.unreduced = False
+        if self.pool is not None:
+            self.pool.clear()  # between backwards a rank holds only its gradient shards
 
     @property
     def in_flight(self) -> int:
@@ -137,6 +150,7 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         self._next_launch = b + 1
         fp = self.flat_params[b]
+        lent = None  # a reduce-scatter temporary from the pool, given back once added into the shard
         grad = fp.ensure_grad_full()
         send = grad if self.comm_dtype in (None, grad.dtype) else grad.to(self.comm_dtype)
         if self.pre_scale != 1.0:
@@ -151,15 +165,16 @@ class GradReducer:
             else:
                 out = self._reduce_scatter_target(fp, send)
                 work = zdist.reduce_scatter(out, send, "grad", async_op=True)
+                lent = out if self.pool is not None else None
             if self.grad_swap is not None:
                 self.grad_swap.prefetch(fp)  # the shard so far comes in while the reduction runs
         if self.stage == 3:
             fp.free()  # the unit's backward is done: its parameters are not needed until next forward
-        self._in_flight.append((fp, work, send, out))
+        self._in_flight.append((fp, work, send, out, lent))
         if len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(*self._in_flight.popleft())
 
-    def _complete(self, fp: FlatParam, work, send: torch.Tensor, out: torch.Tensor) -> None:
+    def _complete(self, fp: FlatParam, work, send: torch.Tensor, out: torch.Tensor, lent: torch.Tensor | None) -> None:
         work.wait()
         if self.post_scale != 1.0:
             out.mul_(self.post_scale)
@@ -168,8 +183,8 @@ class GradReducer:
                 fp.grad_full.copy_(send)
             return
         if self.grad_swap is not None:
-            self.grad_swap.accumulate(fp, out, final=self.boundary)
-            fp.grad_full = None
+            self.grad_swap.accumulate(fp, out, final=self.boundary)  # reads `out` before it returns
+            self._give_back(fp, lent)
             return
         if self.stage == 1 and fp.grad_shard is None and send is fp.grad_full:
             fp.use_grad_full_slice_as_shard()  # in place (Gloo): the shard is `out`, no copy
@@ -181,7 +196,13 @@ class GradReducer:
         if self.stage == 1:
             fp.clear_grad_full()  # kept allocated: stage 1 holds whole gradients between steps
         else:
-            fp.grad_full = None  # stages 2 and 3 keep only the shard
+            self._give_back(fp, lent)  # stages 2 and 3 keep only the shard
+
+    def _give_back(self, fp: FlatParam, lent: torch.Tensor | None) -> None:
+        """Stages 2-3, a bucket reduced and added into its shard: its buffers serve the next bucket."""
+        fp.release_grad_full()
+        if lent is not None:
+            self.pool.give_back(lent)
 
     def _reduce_scatter_target(self, fp: FlatParam, send: torch.Tensor) -> torch.Tensor:
         """Where a bucket's reduce-scatter writes.
@@ -201,4 +222,6 @@ class GradReducer:
         ):
             fp.grad_shard = torch.empty(fp.shard_size, dtype=send.dtype, device=send.device)
             return fp.grad_shard
+        if self.pool is not None:
+            return self.pool.take(fp.shard_size, send.dtype, send.device)
         return torch.empty(fp.shard_size, dtype=send.dtype, device=send.device)

@@ -59,8 +59,11 @@ class ZeroOptimizer:
         if nvme is not None:
             nvme.attach(self.optimizer)
         self.nvme_grads = nvme_grads  # NvmeGradOffload: gradient shards parked between micro-steps
-        self.last_grad_norm: float | None = None
-        self.overflow = False  # the last step was skipped for fp16 overflow (DeepSpeed's attribute)
+        # The last step's gradient norm and fp16 overflow flag, kept on the device: read on request.
+        self.grad_norm: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+        # torch's fused Adam/AdamW skip a step on the device (found_inf) and unscale in the kernel.
+        self.skips_on_device = device_can_skip(self.optimizer)
 
     # torch.optim.Optimizer look-alike -------------------------------------------------
 
@@ -74,8 +77,18 @@ class ZeroOptimizer:
 
     @property
     def cur_scale(self) -> float:
-        """The fp16 loss scale (1.0 without one), under DeepSpeed's name."""
+        """The fp16 loss scale (1.0 without one), under DeepSpeed's name: a host read."""
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm (unscaled, unclipped; inf on fp16 overflow): a host read."""
+        return float(self.grad_norm.item()) if self.grad_norm is not None else None
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step was skipped for fp16 overflow (DeepSpeed's attribute): a host read."""
+        return self.found_inf is not None and bool(self.found_inf.item())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears every gradient buffer (the engine calls this after each step)."""
@@ -92,8 +105,15 @@ class ZeroOptimizer:
 
     # the step ---------------------------------------------------------------------------
 
-    def step(self) -> bool:
-        """Takes one optimizer step on the reduced gradients. Returns False if fp16 overflowed."""
+    def step(self) -> None:
+        """Takes one optimizer step on the reduced gradients, with no host read of a tensor.
+
+        The norm, the clip coefficient and the fp16 overflow flag stay on the device; with fp16,
+        whether the step applied is `found_inf` (the loss scaler records it too: `take_event`),
+        for the caller to read once the step has finished. With a torch fused Adam/AdamW the skip happens
+        in the kernel (`found_inf`); any other optimizer cannot skip on the device, so an fp16 step
+        reads the flag once on the host (`overflow`) to decide whether to call it.
+        """
         parked = self.nvme_grads is not None
         # The checks read the gradients as they are (bf16/fp16 summed in fp32; parked ones through
         # per-bucket partials). The fp32 copies the step needs are made a sub-group at a time
@@ -103,44 +123,59 @@ class ZeroOptimizer:
         else:
             nonfinite, sum_sq = self._local_partials([fp.grad_of_shard() for fp in self.flat_params],
                                                      check_finite=self.loss_scaler is not None)
-        scale = self.cur_scale
-        self.overflow = self.loss_scaler is not None and self._overflowed(nonfinite)
-        if self.overflow:
-            self.loss_scaler.update_scale(True)
-            self.last_grad_norm = float("inf")
-            self.zero_grad()
-            return False
-        norm = self._global_norm(sum_sq) / scale
-        self.last_grad_norm = norm
-        factor = 1.0 / scale
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+        found_inf = self._found_inf(nonfinite) if scale is not None else None
+        norm = self._global_norm(sum_sq)
+        if scale is not None:
+            norm = (norm / scale).masked_fill(found_inf != 0, float("inf"))  # DeepSpeed reports inf
+        self.grad_norm, self.found_inf = norm, found_inf
+        factor = scale.reciprocal() if scale is not None else None  # unscale and clip in one multiply
         if self.clip > 0:
-            # torch.nn.utils.clip_grad_norm_'s coefficient, clamped to 1.
-            factor *= min(self.clip / (norm + 1e-6), 1.0)
+            # torch.nn.utils.clip_grad_norm_'s coefficient, clamped to 1, as a device scalar.
+            coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)
+            factor = coef if factor is None else factor * coef
+        if found_inf is not None and not self.skips_on_device and self.overflow:  # one host read
+            self._finish(found_inf, applied=False)
+            return
         for fp in self.flat_params:
             fp.free()  # stage 3: a whole copy still up from backward (prefetch, reuse) would go stale
+        self._set_kernel_inputs(factor, found_inf)
         sub_groups = self._sub_groups()
         for n, sub_group in enumerate(sub_groups):
             # Step a sub-group at a time: torch optimizers skip parameters without a gradient,
             # so the temporaries of a (CPU) step stay within sub_group_size elements.
             self._swap_in(sub_group, sub_groups[n + 1] if n + 1 < len(sub_groups) else None)
             sub_grads = [self._master_grad(fp) for fp in sub_group]
-            if factor != 1.0:
-                torch._foreach_mul_(sub_grads, factor)
+            if factor is not None and not self.skips_on_device and sub_grads:
+                torch._foreach_mul_(sub_grads, factor.to(sub_grads[0].device))
             for fp, g in zip(sub_group, sub_grads):
                 fp.master.grad = g
             self.optimizer.step()
             for fp in sub_group:
                 fp.master.grad = None
-                fp.copy_master_to_shard()
+                fp.copy_master_to_shard()  # after a skip on the device: the same values again
             if parked:
                 self.nvme_grads.drop(sub_group)
             if self.nvme is not None:
                 self.nvme.swap_out(sub_group)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(False)
+        self._set_kernel_inputs(None, None)
+        self._finish(found_inf, applied=True)
+
+    def _finish(self, found_inf: torch.Tensor | None, applied: bool) -> None:
+        if found_inf is not None:
+            self.loss_scaler.update_scale(found_inf)
         self.zero_grad()
-        self.all_gather_params()
-        return True
+        if applied:
+            self.all_gather_params()
+
+    def _set_kernel_inputs(self, factor: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """Hands a fused kernel what the gradients are divided by (1 / factor) and the skip flag
+        (torch reads both as optimizer attributes), on the masters' device; cleared after the step."""
+        if not self.skips_on_device:
+            return
+        device = self.flat_params[0].master.device if self.flat_params else self.comm_device
+        self.optimizer.grad_scale = factor.reciprocal().to(device) if factor is not None else None
+        self.optimizer.found_inf = found_inf.to(device) if found_inf is not None else None
 
     def _swap_in(self, sub_group: list[FlatParam], next_group: list[FlatParam] | None) -> None:
         """Brings a sub-group's NVMe-parked state (and gradients) in, reading the next one ahead."""
@@ -174,18 +209,19 @@ class ZeroOptimizer:
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
         return nonfinite, torch.stack(norms).square().sum()
 
-    def _overflowed(self, nonfinite: torch.Tensor) -> bool:
+    def _found_inf(self, nonfinite: torch.Tensor) -> torch.Tensor:
+        """1.0 where any rank's gradients hold inf/nan, else 0.0: a MAX over ranks, on the device."""
         local = nonfinite.to(self.comm_device)
         if self.sharded:
             zdist.all_reduce(local, "scalar", op=dist.ReduceOp.MAX)
-        return bool(local.item())
+        return local
 
-    def _global_norm(self, sum_sq: torch.Tensor) -> float:
-        """L2 norm of the whole gradient: each rank sums squares over its shard only."""
+    def _global_norm(self, sum_sq: torch.Tensor) -> torch.Tensor:
+        """L2 norm of the whole (still scaled) gradient: each rank sums squares over its shard only."""
         sq = sum_sq.to(self.comm_device)  # offloaded grads are on the CPU; NCCL reduces device tensors
         if self.sharded:
             zdist.all_reduce(sq, "scalar")
-        return float(sq.sqrt())
+        return sq.sqrt()
 
     def all_gather_params(self) -> None:
         """Rebuilds whole parameters from every rank's updated shard, bucket by bucket (stages 1-2).
@@ -253,6 +289,16 @@ class ZeroOptimizer:
                     key = "optimizer_state" if v.numel() > 1 else "optimizer_scalars"
                     out[key] += v.untyped_storage().nbytes()
         return out
+
+
+def device_can_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` can unscale and skip a step on the device: torch's own Adam/AdamW (not
+    a subclass, whose step may differ) with every group fused, which take `grad_scale` and
+    `found_inf` and undo the step count of a skipped step."""
+    groups = optimizer.param_groups
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and bool(groups) and all(
+        g.get("fused") for g in groups
+    )
 
 
 def sub_group_counts(sizes: list[int], limit: int) -> list[int]:

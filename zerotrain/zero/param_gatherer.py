@@ -35,6 +35,15 @@ module is gathered with that module's unit, for its forward and its backward, an
 freed after its forward (unless its own unit is kept). One registered on the root
 or on a module outside every layer stays gathered, like the root's own, from the
 start of forward until its gradient is reduced.
+
+Host work per unit and pass does not grow with the unit's parameters or outputs, nor
+with the model's depth: one backward hook per unit and forward (registered on each
+output that needs a gradient, it runs once per backward, whichever output's gradient
+comes first), a live-element tally that FlatParam keeps as it gathers and frees
+(`LiveElements`), each unit's needed buckets (its own and its external ones) listed once
+per registration change, and a prefetch that resumes where its last scan found a unit
+not yet gathered instead of rescanning units already whole. The hooks run eagerly under
+torch.compile (`eager_hooks.py`).
 """
 
 from __future__ import annotations
@@ -45,12 +54,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from zerotrain.zero.eager_hooks import eager_hook
 from zerotrain.zero.external_params import external_parameters, registration_generation
-from zerotrain.zero.flat_param import FlatParam
+from zerotrain.zero.flat_param import FlatParam, LiveElements
 
 # DeepSpeed's defaults for stage3_max_live_parameters and stage3_max_reuse_distance.
 DEFAULT_MAX_LIVE_NUMEL = 1_000_000_000
 DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000
+_NO_FRONTIER = (0, 0, 0)  # no scan to resume
 
 
 class ParamGatherer:
@@ -72,6 +83,10 @@ class ParamGatherer:
         for fp in flat_params:
             self.by_unit[fp.unit].append(fp)
         self._sharded = [fp for fp in flat_params if not fp.persistent]
+        self.live = LiveElements()  # kept by the buckets themselves: gathers and frees from anywhere count
+        for fp in self._sharded:
+            fp.live_tally = self.live
+        self.live.numel = sum(fp.padded_numel for fp in self._sharded if _is_live(fp))
         self.order: list[nn.Module] = []  # layer units in forward order, recorded once
         self._recorded = False
         self._cursor = -1  # position of the running unit in `order`
@@ -82,6 +97,10 @@ class ParamGatherer:
         self._external: dict[nn.Module, list[FlatParam]] = {}  # unit -> other units' buckets it reads
         self._pinned: set[int] = set()  # ids of buckets the root reads: gathered through backward
         self._external_generation = -1
+        self._needed: dict[nn.Module, list[FlatParam]] = {}  # unit -> its buckets and the external ones it reads
+        # Prefetch skips the positions its last scan found whole or in flight: (direction, first, next).
+        self._frontier: tuple[int, int, int] = _NO_FRONTIER
+        self._repeated: set[nn.Module] = set()  # units that appear twice in the order
         self._handles = []
         self._root_depth = 0  # > 0 inside the root's forward
         self.install_hooks()
@@ -89,17 +108,19 @@ class ParamGatherer:
     def install_hooks(self) -> list:
         """Hooks every unit's forward (again, after `remove_hooks`); returns the handles."""
         self.remove_hooks()
+        before, after = eager_hook(self._before_forward), eager_hook(self._after_forward)
+        self._before_backward_eager = eager_hook(self._before_backward)
         # The root is hooked even without parameters of its own: its forward delimits each step.
         for unit in {**dict.fromkeys(self.by_unit), self.root: None}:
-            self._handles.append(unit.register_forward_pre_hook(self._before_forward))
-            self._handles.append(unit.register_forward_hook(self._after_forward))
+            self._handles.append(unit.register_forward_pre_hook(before))
+            self._handles.append(unit.register_forward_hook(after))
         # The root unit's parameters are also gathered by the modules that own them, for calls
         # that do not go through the root's forward (DeepSpeed-Chat's `reward_model.forward_value`).
         root_params = {id(p) for fp in self.by_unit.get(self.root, []) for p in fp.params}
         for module in self.root.modules():
             if module is not self.root and any(id(p) in root_params for p in module.parameters(recurse=False)):
-                self._handles.append(module.register_forward_pre_hook(self._before_root_part))
-                self._handles.append(module.register_forward_hook(self._after_root_part))
+                self._handles.append(module.register_forward_pre_hook(eager_hook(self._before_root_part)))
+                self._handles.append(module.register_forward_hook(eager_hook(self._after_root_part)))
         return self._handles
 
     @property
@@ -115,6 +136,7 @@ class ParamGatherer:
     def forget_order(self) -> None:
         """Records the units' order again at the next forward (the model may run differently now)."""
         self.order, self._recorded, self._cursor, self._kept = [], False, -1, []
+        self._frontier = _NO_FRONTIER
 
     # --- hooks -----------------------------------------------------------------------------
 
@@ -136,13 +158,16 @@ class ParamGatherer:
             self._acquire(unit)
             return
         if unit is self.root:
-            self._cursor = -1
+            self._cursor, self._frontier = -1, _NO_FRONTIER
             self._kept = [u for u in self._kept if any(_is_live(fp) for fp in self.by_unit[u])]
         elif not self._recorded and self._root_depth:
             self.order.append(unit)  # the order is that of the root's forward
         self._acquire(unit)
         if unit is not self.root and self._recorded:
-            self._cursor = self._position(unit, start=self._cursor + 1)
+            cursor = self._position(unit, start=self._cursor + 1)
+            if cursor <= self._cursor:
+                self._frontier = _NO_FRONTIER  # the model ran differently: rescan
+            self._cursor = cursor
             self._prefetch(range(self._cursor + 1, len(self.order)))
 
     def _after_forward(self, unit: nn.Module, args, output) -> None:
@@ -163,9 +188,24 @@ class ParamGatherer:
         self._free_externals(unit)
         if torch.is_grad_enabled():
             position = len(self.order) - 1 if not self._recorded else self._cursor
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, unit=unit, position=position: self._before_backward(unit, position))
+            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs:
+                hook = self._backward_hook(unit, position)
+                for t in outputs:
+                    t.register_hook(hook)
+
+    def _backward_hook(self, unit: nn.Module, position: int):
+        """The one hook of `unit`'s outputs of this forward: gathers the unit when the first of their
+        gradients arrives in a backward (as `register_multi_grad_hook(mode="any")`, without its lock)."""
+        ran_in = [None]  # the backward (graph task) it last ran in: a retained graph may run again
+
+        def on_grad(grad: torch.Tensor) -> None:
+            task = torch._C._current_graph_task_id()
+            if ran_in[0] != task:
+                ran_in[0] = task
+                self._before_backward_eager(unit, position)
+
+        return on_grad
 
     def _before_backward(self, unit: nn.Module, position: int) -> None:
         self._acquire(unit)
@@ -178,27 +218,44 @@ class ParamGatherer:
         kept units if it would break the live limit."""
         if unit in self._kept:
             self._kept.remove(unit)  # in use: not evictable until its forward ends again
-        needed = self.by_unit[unit] + self._externals_of(unit)
-        missing = sum(fp.padded_numel for fp in needed if not fp.persistent and not _is_live(fp))
-        while self._kept and self._live_numel() + missing > self.max_live_numel:
-            # The oldest kept unit is the one reused last (backward runs in reverse).
-            self._free_unit(self._kept.pop(0))
-        _gather(needed)
+        needed = self._needed_by(unit)
+        if self._kept:
+            missing = sum(fp.padded_numel for fp in needed if not fp.persistent and not _is_live(fp))
+            while self._kept and self.live.numel + missing > self.max_live_numel:
+                # The oldest kept unit is the one reused last (backward runs in reverse).
+                self._free_unit(self._kept.pop(0))
+                self._frontier = _NO_FRONTIER  # it may be one a prefetch scan counted as whole
+        for fp in needed:
+            if not fp.gathered:
+                fp.gather()
 
     def _free_unit(self, unit: nn.Module) -> None:
         """Frees a layer unit's buckets, except those the root reads (needed until backward)."""
         _free([fp for fp in self.by_unit[unit] if id(fp) not in self._pinned])
+        if unit in self._repeated:
+            self._frontier = _NO_FRONTIER  # it runs again later: prefetch must see it freed
 
     def _free_externals(self, unit: nn.Module) -> None:
         """After `unit`'s forward: frees the other units' buckets it read, unless still in use."""
         for fp in self._externals_of(unit):
             if fp.unit is not self.root and fp.unit not in self._kept and id(fp) not in self._pinned:
+                if fp.gathered or fp._pending_gather is not None:
+                    self._frontier = _NO_FRONTIER  # another unit's bucket: a prefetch may have counted it
                 fp.free()
 
     def _externals_of(self, unit: nn.Module) -> list[FlatParam]:
         if self._external_generation != registration_generation():
             self._map_external_parameters()
         return self._external.get(unit, [])
+
+    def _needed_by(self, unit: nn.Module) -> list[FlatParam]:
+        """The buckets `unit`'s forward and backward read: its own, then the external ones."""
+        if self._external_generation != registration_generation():
+            self._map_external_parameters()
+        needed = self._needed.get(unit)
+        if needed is None:
+            needed = self._needed[unit] = self.by_unit.get(unit, []) + self._external.get(unit, [])
+        return needed
 
     def _map_external_parameters(self) -> None:
         """Which unit runs each module with registered external parameters, and their buckets."""
@@ -216,33 +273,42 @@ class ParamGatherer:
                     external[unit].append(fp)
         self._external = dict(external)
         self._pinned = {id(fp) for fp in self._external.get(self.root, [])}
+        self._needed = {}
         self._external_generation = registration_generation()
 
     def _worth_keeping(self, position: int) -> bool:
         """Whether the unit that just ran at `position` is reused soon enough to stay gathered."""
         distances = self._distance_training if torch.is_grad_enabled() else self._distance_inference
         distance = distances[position] if 0 <= position < len(distances) else None
-        return distance is not None and distance < self.max_reuse_distance and self._live_numel() <= self.max_live_numel
+        return distance is not None and distance < self.max_reuse_distance and self.live.numel <= self.max_live_numel
 
-    def _prefetch(self, positions) -> None:
-        budget = min(self.prefetch_numel, self.max_live_numel - self._live_numel())
-        for i in positions:
+    def _prefetch(self, positions: range) -> None:
+        """Launches the gathers of the units at `positions` (in that order) within the budget."""
+        budget = min(self.prefetch_numel, self.max_live_numel - self.live.numel)
+        d, first, start = positions.step, positions.start, positions.start
+        direction, scanned_from, frontier = self._frontier
+        if direction == d and (start - scanned_from) * d >= 0 and (frontier - start) * d > 0:
+            first, start = scanned_from, frontier  # [scanned_from, frontier) was whole or in flight
+        for i in range(start, positions.stop, d):
             for fp in self.by_unit[self.order[i]]:
                 if fp.persistent or _is_live(fp):
                     continue  # already whole, kept, or on its way: costs nothing more
                 if budget < fp.padded_numel:
+                    self._frontier = (d, first, i)
                     return
                 budget -= fp.padded_numel
                 fp.gather(async_op=True)
+        self._frontier = (d, first, positions.stop)
 
     def _live_numel(self) -> int:
         """Elements of sharded buckets now whole on this rank, or being gathered."""
-        return sum(fp.padded_numel for fp in self._sharded if _is_live(fp))
+        return self.live.numel
 
     # --- the recorded order ----------------------------------------------------------------
 
     def _finish_recording(self) -> None:
         self._recorded = True
+        self._repeated = {unit for i, unit in enumerate(self.order) if unit in self.order[:i]}
         self._distance_inference = self._reuse_distances(self.order)
         self._distance_training = self._reuse_distances(self.order + self.order[::-1])
 

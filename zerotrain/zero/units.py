@@ -16,7 +16,8 @@ def find_layer_units(model: nn.Module) -> list[nn.Module]:
     best_size = 0
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:
-            size = sum(p.numel() for p in module.parameters())
+            # ds_numel: a stage-3 parameter's full size while only its shard is held (it is empty then)
+            size = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
             if size > best_size:
                 best, best_size = list(module), size
     return best
