@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from zerotrain.checkpoint.deepspeed_layout import DeepSpeedCheckpoint, find_deepspeed_tag_dir
 from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.file_mode import default_file_mode
 from zerotrain.checkpoint.layout import MASTER, META
@@ -133,12 +134,16 @@ def read_tensor(reader: CheckpointReader, t: PlannedTensor) -> torch.Tensor:
     return tensor.to(t.dtype).contiguous()
 
 
-def open_checkpoint_reader(checkpoint_dir: str | Path, tag: str | None) -> CheckpointReader:
-    """A reader of SAVE_DIR's `tag` (default: `latest`), or of a tag directory given itself."""
+def open_checkpoint_reader(checkpoint_dir: str | Path, tag: str | None) -> CheckpointReader | DeepSpeedCheckpoint:
+    """A reader of SAVE_DIR's `tag` (default: `latest`), or of a tag directory given itself;
+    zerotrain's format or DeepSpeed's own (deepspeed_layout.py), whichever the folder holds."""
     # Accept a tag directory itself (SAVE_DIR/global_step100) as well as SAVE_DIR plus a tag.
     path = Path(checkpoint_dir)
     if tag is None and (path / META).is_file():
         return CheckpointReader(path.parent, path.name)
+    deepspeed_tag_dir = find_deepspeed_tag_dir(path, tag)
+    if deepspeed_tag_dir is not None:
+        return DeepSpeedCheckpoint(deepspeed_tag_dir)
     return CheckpointReader(path, tag)
 
 

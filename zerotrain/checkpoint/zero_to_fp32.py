@@ -40,6 +40,7 @@ from zerotrain.checkpoint.consolidate import (
     UNMAP_EVERY_BYTES, PlannedTensor, ProgressCallback, open_checkpoint_reader, plan_tensors, read_tensor,
     resolve_dtype, write_consolidated_weights,
 )
+from zerotrain.checkpoint.deepspeed_layout import is_deepspeed_tag_dir
 from zerotrain.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from zerotrain.config.byte_sizes import parse_byte_size
 from zerotrain.checkpoint.layout import LATEST, META
@@ -74,7 +75,7 @@ def open_zero_checkpoint(
     root = Path(checkpoint_dir)
     if not root.is_dir():
         raise CheckpointNotFoundError(f"checkpoint folder {root} does not exist")
-    if tag is None and not (root / LATEST).is_file() and not (root / META).is_file():
+    if tag is None and not (root / LATEST).is_file() and not (root / META).is_file() and not is_deepspeed_tag_dir(root):
         raise CheckpointNotFoundError(_nothing_found_message(root))
     try:
         reader = open_checkpoint_reader(root, tag)

@@ -22,11 +22,6 @@ def tp_model_init(*args, **kwargs):
     )
 
 
-def set_z3_leaf_modules(*args, **kwargs):
-    """DeepSpeed marks MoE blocks as ZeRO-3 leaves: zerotrain has no MoE support."""
-    raise _refuse("Mixture-of-experts leaf modules", "Train dense models, or unset ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES.")
-
-
 def sequence_parallel_unsupported(*args, **kwargs):
     """DeepSpeed's Ulysses sequence parallelism."""
     raise _refuse("Sequence parallelism (Ulysses / ALST)", "Use sp_size 1.")

@@ -2,20 +2,24 @@
 
 By default each block of the model's largest `nn.ModuleList` (a transformer's
 layers) is a unit, and everything else (embeddings, final norm, head) forms the
-root unit, owned by the model itself.
+root unit, owned by the model itself. A ModuleList inside a ZeRO-3 leaf module
+(`leaf_modules.py`: an MoE block's experts) is never split into units.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from zerotrain.zero.leaf_modules import within_leaf_modules
+
 
 def find_layer_units(model: nn.Module) -> list[nn.Module]:
     """The blocks of the largest ModuleList (by parameter count), in forward order; [] if none."""
     best: list[nn.Module] = []
     best_size = 0
+    in_leaves = within_leaf_modules(model)  # a leaf (an MoE block) is gathered whole: never split
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and id(module) not in in_leaves:
             # ds_numel: a stage-3 parameter's full size while only its shard is held (it is empty then)
             size = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
             if size > best_size:

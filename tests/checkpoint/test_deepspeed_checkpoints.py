@@ -1,0 +1,122 @@
+"""Checkpoints written by real DeepSpeed (tests/fixtures/deepspeed_checkpoints, see write_fixtures.py there):
+zerotrain recognises them and consolidates each to DeepSpeed's own zero_to_fp32 output, bit for bit.
+
+Every fixture was written by DeepSpeed 0.19.8 on torch 2.13 CPU ranks (2 Gloo ranks); each
+fixture.json says which release wrote it. DeepSpeed is never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerotrain.checkpoint import load_consolidated_state_dict
+from zerotrain.checkpoint.deepspeed_layout import DeepSpeedCheckpoint, find_deepspeed_tag_dir
+from zerotrain.checkpoint.deepspeed_pickle import load_deepspeed_file
+from zerotrain.checkpoint.errors import CheckpointError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_checkpoints"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "fixture.json").is_file())
+WITH_REFERENCE = [c for c in CASES if (FIXTURES / c / "zero_to_fp32.safetensors").is_file()]
+# TinyModel's param groups as write_fixtures.param_groups builds them (module order, matrices, then vectors).
+PARAM_GROUPS = [["embed.weight", "fc1.weight", "proj.weight"], ["fc1.bias", "frozen.bias", "proj.bias"]]
+
+
+def fixture(case: str) -> dict:
+    return json.loads((FIXTURES / case / "fixture.json").read_text())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes: -0.0 is not 0.0 and a NaN equals only itself, unlike torch.equal."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
+
+
+def test_every_case_of_the_minimum_matrix_is_there():
+    wanted = {"stage0_fp32", "stage1_fp32", "stage2_fp32", "stage3_fp32", "stage2_bf16", "stage3_bf16",
+              "stage2_fp16", "stage3_fp32_offload"}
+    assert wanted <= set(CASES), f"missing fixtures: {sorted(wanted - set(CASES))}"
+    for case in CASES:
+        assert fixture(case)["written_by"]["deepspeed"] == "0.19.8", case
+
+
+@pytest.mark.parametrize("case", WITH_REFERENCE)
+def test_consolidated_weights_equal_deepspeeds_zero_to_fp32_bitwise(case):
+    ours = load_consolidated_state_dict(FIXTURES / case / "checkpoint")
+    theirs = load_file(str(FIXTURES / case / "zero_to_fp32.safetensors"))
+    shared = DeepSpeedCheckpoint(find_deepspeed_tag_dir(FIXTURES / case / "checkpoint", None)).aliases
+    # A tied weight is written once, as zerotrain always does; DeepSpeed lists it under every name.
+    assert set(theirs) - set(ours) == set(shared) == {"head.weight"}
+    for alias, source in shared.items():
+        assert same_bits(theirs[alias], theirs[source])
+    # Stage 1 records no frozen parameters, so DeepSpeed's zero_to_fp32 drops them; zerotrain keeps the module's.
+    extra = set(ours) - set(theirs)
+    assert extra == ({"frozen.weight"} if fixture(case)["case"]["stage"] == 1 else set())
+    differing = [name for name in theirs if name in ours and not same_bits(ours[name], theirs[name])]
+    assert differing == []
+
+
+def test_stage0_fp32_masters_are_the_module_parameters():
+    checkpoint = FIXTURES / "stage0_fp32" / "checkpoint"
+    module = load_deepspeed_file(checkpoint / "global_step3" / "mp_rank_00_model_states.pt")["module"]
+    ours = load_consolidated_state_dict(checkpoint)
+    assert set(ours) == set(module) - {"head.weight"}  # head.weight shares embed.weight's storage
+    assert all(same_bits(ours[name], module[name]) for name in ours)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("stage0_") and not c.endswith("fp32")])
+def test_stage0_16bit_masters_are_the_optimizers_fp32_copies_by_name(case):
+    """16-bit stage 0 keeps unnamed fp32 copies per group: each lands on the parameter write_fixtures put there."""
+    checkpoint = FIXTURES / case / "checkpoint"
+    states = load_deepspeed_file(checkpoint / "global_step3" / "mp_rank_00_model_states.pt")
+    ours = load_consolidated_state_dict(checkpoint)
+    for names, masters in zip(PARAM_GROUPS, states["optimizer"]["fp32_groups"]):
+        for name, master in zip(names, masters):
+            assert same_bits(ours[name], master), name
+    assert same_bits(ours["frozen.weight"], states["module"]["frozen.weight"].float())
+    assert "head.weight" not in ours
+
+
+def test_a_tag_folder_and_a_save_folder_are_both_recognised_and_a_zerotrain_one_is_not(tmp_path):
+    save_dir = FIXTURES / "stage2_fp32" / "checkpoint"
+    assert find_deepspeed_tag_dir(save_dir, None) == save_dir / "global_step3"
+    assert find_deepspeed_tag_dir(save_dir / "global_step3", None) == save_dir / "global_step3"
+    assert find_deepspeed_tag_dir(save_dir, "global_step3") == save_dir / "global_step3"
+    assert find_deepspeed_tag_dir(tmp_path, None) is None
+
+
+def test_cli_consolidates_a_deepspeed_save_folder_and_its_tag_folder(tmp_path, zerotrain_main):
+    case = FIXTURES / "stage3_bf16"
+    theirs = load_file(str(case / "zero_to_fp32.safetensors"))
+    for given in (case / "checkpoint", case / "checkpoint" / "global_step3"):
+        out = tmp_path / given.name
+        run = zerotrain_main("consolidate", given, out)
+        assert run.returncode == 0, run.stderr
+        written = load_file(str(out / "model.safetensors"))
+        assert all(same_bits(written[n], theirs[n]) for n in written) and set(theirs) - set(written) == {"head.weight"}
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "stage2_fp32" / "checkpoint", copy)
+    (copy / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="rank 0 .* missing"):
+        load_consolidated_state_dict(copy)
+
+
+def test_zero_to_fp32_functions_read_a_deepspeed_save_folder_and_its_tag_folder():
+    from zerotrain.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    case = FIXTURES / "stage2_bf16"
+    theirs = load_file(str(case / "zero_to_fp32.safetensors"))
+    for given in (case / "checkpoint", case / "checkpoint" / "global_step3"):
+        ours = get_fp32_state_dict_from_zero_checkpoint(given)
+        assert set(theirs) - set(ours) == {"head.weight"}
+        assert all(same_bits(ours[n], theirs[n]) for n in ours)
+    trainable = get_fp32_state_dict_from_zero_checkpoint(case / "checkpoint", exclude_frozen_parameters=True)
+    assert set(ours) - set(trainable) == {"frozen.weight"}  # buffers stay, as in DeepSpeed
