@@ -25,6 +25,8 @@ stand-ins); DeepSpeed is never imported.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import re
 from pathlib import Path
@@ -97,15 +99,20 @@ class DeepSpeedCheckpoint:
         self.zero_stage = int(optim[0]["zero_stage"]) if optim else 0
         self.world_size = len(optim) if optim else int(self.model_state.get("dp_world_size") or 1)
         self._check_rank_files(optim, optim_files)
+        self.optim_states = optim  # each rank's optimizer_state_dict, for resuming (deepspeed_resume)
         self._masters: dict[str, torch.Tensor] = {}
         self._module: dict[str, torch.Tensor] = {}
         self.aliases = self._tied_names()  # a tied name -> the name it is read under
+        # Which flat group (stages 1-2: param group; stage 3: sub-group) holds each parameter, and at
+        # stage 0 the names in DeepSpeed's optimizer order: where its optimizer state is found.
+        self.flat_group_of: dict[str, int] = {}
+        self.optimizer_names: list[str] = []
         if self.zero_stage == 0:
             self._read_stage0()
         elif self.zero_stage <= 2:
-            self._read_stage12([o["single_partition_of_fp32_groups"] for o in optim], optim[0])
+            self._masters = self.split_flat([o["single_partition_of_fp32_groups"] for o in optim])
         else:
-            self._read_stage3([o["fp32_flat_groups"] for o in optim])
+            self._masters = self.split_flat([o["fp32_flat_groups"] for o in optim])
         self._read_frozen_and_buffers(states)
         self.params = {n: {"shape": list(t.shape)} for n, t in self._masters.items()}
         buffers = set(self.model_state.get("buffer_names") or [])
@@ -191,9 +198,19 @@ class DeepSpeedCheckpoint:
 
     # --- masters -------------------------------------------------------------------------------
 
-    def _read_stage12(self, partitions: list[list[torch.Tensor]], optim0: dict) -> None:
+    def split_flat(self, flats: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Per rank, flat tensors laid out as that rank's fp32 partitions (stages 1-2: one per param group;
+        stage 3: one per sub-group), cut into each trainable parameter's values, in its shape.
+
+        The masters are read this way, and so are the optimizer's moments, which DeepSpeed keeps alike.
+        """
+        split = self._split_stage12 if self.zero_stage <= 2 else self._split_stage3
+        return split(flats)
+
+    def _split_stage12(self, partitions: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
         shapes = self.model_state["param_shapes"]
-        paddings = optim0.get("param_alignment_paddings")
+        paddings = self.optim_states[0].get("param_alignment_paddings")
+        out: dict[str, torch.Tensor] = {}
         for g, group_shapes in enumerate(shapes):
             flat = torch.cat([ranks[g] for ranks in partitions])
             group_paddings = paddings[g] if paddings is not None else [0] * len(group_shapes)
@@ -205,33 +222,41 @@ class DeepSpeedCheckpoint:
                 n = _numel(shape)
                 if offset + n > flat.numel():
                     raise self._bad(f"param group {g} ends before {name!r}")
-                self._masters[name] = flat[offset : offset + n].view(*shape)
+                out[name] = flat[offset : offset + n].view(*shape)
+                self.flat_group_of[name] = g
                 offset += n + int(pad)
             align = 2 * self.world_size  # what DeepSpeed pads each group to, at most
             if math.ceil(offset / align) != math.ceil(flat.numel() / align):
                 raise self._bad(f"param group {g} holds {flat.numel()} elements, its parameters {offset}")
+        return out
 
-    def _read_stage3(self, sub_groups: list[list[torch.Tensor]]) -> None:
+    def _split_stage3(self, sub_groups: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
         world = len(sub_groups)
         flats = [torch.cat(groups) if groups else torch.empty(0) for groups in sub_groups]
+        ends = list(itertools.accumulate(g.numel() for g in sub_groups[0]))  # where each sub-group ends
+        out: dict[str, torch.Tensor] = {}
         offset = 0
         for name, shape in ((n, s) for group in self.model_state["param_shapes"] for n, s in group.items()):
             n = _numel(shape)
             part = math.ceil(n / world)
             if offset + part > flats[0].numel():
                 raise self._bad(f"the flat fp32 groups end before {name!r}")
-            self._masters[name] = torch.cat([f[offset : offset + part] for f in flats])[:n].view(*shape)
+            out[name] = torch.cat([f[offset : offset + part] for f in flats])[:n].view(*shape)
+            self.flat_group_of[name] = bisect.bisect_right(ends, offset)  # sub-groups hold whole parameters
             offset += part
         if offset != flats[0].numel():
             raise self._bad(f"each rank holds {flats[0].numel()} elements, its parameters {offset}")
+        return out
 
     def _read_stage0(self) -> None:
         module = self.model_state["module"]
-        fp32_groups = (self.model_state.get("optimizer") or {}).get("fp32_groups")
-        if fp32_groups is None:  # fp32 training: the module holds the masters (its parameters are trained)
-            return
+        optimizer = self.model_state.get("optimizer") or {}
+        fp32_groups = optimizer.get("fp32_groups")
         buffers = set(self.model_state.get("buffer_names") or [])
         free = [n for n in module if n not in buffers and n not in self.aliases]
+        if fp32_groups is None:  # fp32 training: the module holds the masters (its parameters are trained)
+            self._name_stage0_fp32_state(optimizer, free)
+            return
         for g, group in enumerate(fp32_groups):
             cursor = 0
             for master in group:
@@ -240,7 +265,23 @@ class DeepSpeedCheckpoint:
                 if cursor == len(free):
                     raise self._bad(f"a {list(master.shape)} master of param group {g} matches no module parameter "
                                     "(16-bit ZeRO stage 0 records no names: it is matched by shape and value)")
+                self.optimizer_names.append(free[cursor])
                 self._masters[free.pop(cursor)] = master
+
+    def _name_stage0_fp32_state(self, optimizer: dict, free: list[str]) -> None:
+        """fp32 stage 0 saves torch's optimizer state dict, numbered without names: each entry takes the
+        next module parameter, in module order, of its moments' shape (a frozen one of that shape first
+        in the module would be mistaken; DeepSpeed records nothing that tells them apart)."""
+        state = optimizer.get("state") or {}
+        for group in optimizer.get("param_groups") or []:
+            for index in group.get("params", []):
+                moments = [v for v in state.get(index, {}).values() if torch.is_tensor(v) and v.dim()]
+                shape = moments[0].shape if moments else None
+                found = next((n for n in free if shape is None or self.model_state["module"][n].shape == shape), None)
+                if found is None:
+                    raise self._bad(f"optimizer state {index} (shape {list(shape or [])}) matches no module parameter")
+                self.optimizer_names.append(found)
+                free.remove(found)
 
     # --- frozen parameters, buffers, tied names -------------------------------------------------
 

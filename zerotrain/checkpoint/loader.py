@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from zerotrain.checkpoint.coordination import Coordinator
+from zerotrain.checkpoint.deepspeed_layout import find_deepspeed_tag_dir
+from zerotrain.checkpoint.deepspeed_resume import DeepSpeedResumeReader
 from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.layout import LATEST, MASTER, META, STATE, param_slices_in, rng_file
 from zerotrain.checkpoint.reader import CheckpointReader
@@ -41,17 +43,22 @@ def load_checkpoint(
     """Restores `engine` from LOAD_DIR/TAG (default: the tag in `latest`). Returns (path, client_state)."""
     coord = Coordinator.for_engine(engine)
     coord.meet("load_checkpoint")
-    if tag is None and not (Path(load_dir) / LATEST).is_file():
+    deepspeed_tag = find_deepspeed_tag_dir(load_dir, tag)
+    if deepspeed_tag is None and tag is None and not (Path(load_dir) / LATEST).is_file():
         # As DeepSpeed: starting a run with nothing to resume from is not an error.
         if engine.rank == 0:
             log.warning("no checkpoint to load: %s does not exist", Path(load_dir) / LATEST)
         return None, None
-    with CheckpointReader(load_dir, tag) as reader, engine.optimizer.states_resident():
+    if deepspeed_tag is not None:  # written by DeepSpeed: read through the same interface, restored alike
+        opened = DeepSpeedResumeReader(deepspeed_tag, engine, load_optimizer_states, load_lr_scheduler_states)
+    else:
+        opened = CheckpointReader(load_dir, tag)
+    with opened as reader, engine.optimizer.states_resident():
         _check_names(engine, reader, load_module_strict)
         _load_weights(engine, reader)
         client_state: dict = {}
         if not load_module_only:
-            state = _load_torch_file(reader, reader.tag_dir / STATE)
+            state = reader.state if deepspeed_tag else _load_torch_file(reader, reader.tag_dir / STATE)
             if load_optimizer_states:
                 _load_optimizer_state(engine, reader)
             _load_counters(engine, reader)
