@@ -40,10 +40,12 @@ def test_probe_reports_this_python_and_node_0_answers_node_1(tmp_path):
     (tmp_path / "train.py").write_text("")
     port = free_port()
     start = time.monotonic()
-    listener = run_probe(tmp_path, "listen", port)
-    connector = run_probe(tmp_path, "connect", port)
+    listener = run_probe(tmp_path, "listen", port, window_s=90.0)
+    connector = run_probe(tmp_path, "connect", port, window_s=90.0)
     node0, node1 = probe_answer(listener), probe_answer(connector)
-    assert time.monotonic() - start < 4  # both return as soon as the connection is made
+    # Both return as soon as the connection is made, far inside the 90 s window (a loaded
+    # machine takes seconds just to start the two interpreters, so the bound is loose).
+    assert time.monotonic() - start < 45
     assert node0["port"] == {"role": "listen", "ok": True, "accepted": 1}
     assert node1["port"] == {"role": "connect", "ok": True}
     expected_python = "%d.%d.%d" % sys.version_info[:3]
@@ -90,4 +92,4 @@ def test_probe_tells_a_foreign_listener_and_an_absent_one_apart(tmp_path):
     start = time.monotonic()
     absent = probe_answer(run_probe(tmp_path, "connect", free_port(), window_s=1.0))
     assert absent["port"] == {"role": "connect", "ok": False, "error": "Connection refused"}
-    assert time.monotonic() - start < 5  # retries stop when the window ends
+    assert time.monotonic() - start < 25  # retries stop when the 1 s window ends (loose: start-up on a loaded machine)

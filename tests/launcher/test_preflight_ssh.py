@@ -35,8 +35,9 @@ def workdir(tmp_path):
 
 def test_two_good_nodes_pass_in_one_quick_round_trip(ssh_cluster, workdir):
     start = time.monotonic()
-    report = run_preflight(ssh_request(ssh_cluster, workdir))
-    assert time.monotonic() - start < 10  # node 0 stops listening as soon as node 1 has reached it
+    report = run_preflight(ssh_request(ssh_cluster, workdir), timeout_s=180)
+    # Node 0 stops listening as soon as node 1 has reached it, far inside its 90 s window.
+    assert time.monotonic() - start < 45
     assert report.ok, report.failures()
     version = "%d.%d.%d" % sys.version_info[:3]
     for row_ in report.nodes:
