@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("system",),  # the machine underneath: durable (fsynced, atomic) file writes, whether a process runs
     ("config",),  # what the user gives: the DeepSpeed config model, loading, "auto"; user errors and how they show
     ("comm",),  # process groups from any launcher, counted collectives, teardown at exit
-    ("optim", "zero", "checkpoint", "profiling"),  # the parts of a step: optimizers, ZeRO, checkpoint I/O, FLOPs
+    ("optim", "zero", "checkpoint", "profiling", "sequence"),  # a step's parts: optimizers, ZeRO, checkpoints, FLOPs, sequence shards
     ("runtime",),  # the engine: forward -> backward -> step, loss scaling, timers
     ("compat", "__init__"),  # the DeepSpeed face: initialize, the `deepspeed` stand-in; the package's public names
     ("train", "launcher", "planning", "autotuning", "bench"),  # the jobs

@@ -93,6 +93,19 @@ def _as_batch_int(name: str, value: Any) -> int | None:
     return value
 
 
+def sequence_groups_count(sequence_parallel_size: int, world_size: int) -> int:
+    """World size / sequence_parallel_size: the data-parallel width the batch sizes count.
+    A ConfigError when the size does not divide the world."""
+    if world_size % sequence_parallel_size:
+        sizes = [n for n in range(1, world_size + 1) if world_size % n == 0]
+        raise ConfigError(
+            f"sequence_parallel_size {sequence_parallel_size} does not divide the world size {world_size}: "
+            f"each sequence-parallel group is that many consecutive ranks. Use one of {sizes}, "
+            f"or a world size that is a multiple of {sequence_parallel_size}"
+        )
+    return world_size // sequence_parallel_size
+
+
 def resolve_config(
     cfg: ZeroTrainConfig,
     *,
@@ -112,7 +125,8 @@ def resolve_config(
     """
     check_supported(cfg)
     filler = _AutoFiller(cfg, model, dict(auto_values or {}))
-    data = filler.fill(world_size)
+    # With sequence parallelism N ranks train one sample: batch sizes count world / N (as DeepSpeed).
+    data = filler.fill(sequence_groups_count(cfg.sequence_parallel_size, world_size))
     for path in _autos_left(data):
         if path not in filler.reported:
             filler.report(path, f'{path} is "auto" and zerotrain has no rule to fill it: set a value')

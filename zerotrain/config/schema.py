@@ -170,6 +170,14 @@ class ZeroTrainConfig(ConfigSection):
     gradient_predivide_factor: float = Field(1.0, gt=0)
     """Divide gradients by this factor before the reduction and by world/factor after."""
 
+    # ---- sequence parallelism (zerotrain/sequence/) ----
+    sequence_parallel_size: PositiveInt = 1
+    """Ulysses sequence parallelism: ranks (N consecutive) that share each sequence, each holding
+    1/N of it; must divide the world size. The batch sizes count sequence groups (world / N)."""
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """With sequence_parallel_size > 1, the dtype gradients are reduced in, in place of
+    communication_data_type (DeepSpeed's meaning; unset means fp32, DeepSpeed's default)."""
+
     # ---- logging ----
     steps_per_print: PositiveInt = 10
     """Print progress every this many optimizer steps. Infinity (what Accelerate writes to
@@ -229,7 +237,7 @@ class ZeroTrainConfig(ConfigSection):
         # Accelerate writes float("inf") to keep DeepSpeed quiet; a step count never reaches it.
         return 2**63 - 1 if isinstance(value, float) and value == float("inf") else value
 
-    @field_validator("communication_data_type", mode="before")
+    @field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")
     @classmethod
     def _lower_case_dtype(cls, value: Any) -> Any:
         # DeepSpeed lower-cases this value, so "FP32" is valid there.
@@ -259,6 +267,16 @@ class ZeroTrainConfig(ConfigSection):
     def zero_stage(self) -> int:
         """The ZeRO stage, 0 to 3."""
         return int(self.zero_optimization.stage)
+
+    @property
+    def gradient_communication_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in: ``communication_data_type``, or with sequence
+        parallelism ``seq_parallel_communication_data_type`` (fp32 when unset), as DeepSpeed does."""
+        import torch
+
+        if self.sequence_parallel_size == 1:
+            return self.communication_dtype
+        return getattr(torch, _TORCH_DTYPE_NAMES[self.seq_parallel_communication_data_type or "fp32"])
 
     @property
     def communication_dtype(self) -> torch.dtype | None:

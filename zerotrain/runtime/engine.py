@@ -32,6 +32,7 @@ from zerotrain.profiling.engine_profiler import EngineFlopsProfiler
 from zerotrain.comm.teardown import own_group
 from zerotrain.runtime.throughput_timer import ThroughputTimer
 from zerotrain.runtime.wall_clock import WallClockBreakdown
+from zerotrain.sequence.enable import enable_sequence_parallel, require_global_positions
 from zerotrain.zero.grad_reducer import GradReducer
 from zerotrain.zero.optimizer import ZeroOptimizer
 from zerotrain.zero.param_gatherer import ParamGatherer
@@ -74,6 +75,8 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.local_rank = read_launch_env().local_rank
         self.module = model.to(device)
+        sp = config.sequence_parallel_size  # Ulysses: N consecutive ranks share each sequence
+        self.sequence_groups = enable_sequence_parallel(model, sp) if sp > 1 else None
         self.plan = StagePlan(config.zero_optimization.stage)
         self.compute_dtype = config.compute_dtype
 
@@ -103,7 +106,7 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
             self.flat_params,
             self.plan.stage,
             self.world_size,
-            config.communication_dtype,
+            config.gradient_communication_dtype,
             config.prescale_gradients,
             config.gradient_predivide_factor,
             grad_swap=nvme.grads,
@@ -177,7 +180,9 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
     def _make_dataloader(self, data, collate_fn) -> DataLoader | None:
         if data is None:
             return None
-        sampler = DistributedSampler(data, num_replicas=self.world_size, rank=self.rank)
+        groups = self.sequence_groups  # a sequence group's ranks read the same samples
+        replicas, index = (groups.data_parallel_size, groups.data_parallel_rank) if groups else (self.world_size, self.rank)
+        sampler = DistributedSampler(data, num_replicas=replicas, rank=index)
         return DataLoader(
             data, batch_size=self.train_micro_batch_size_per_gpu(), sampler=sampler, collate_fn=collate_fn
         )
@@ -192,6 +197,8 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
             profiler.before_forward()
         with self.timers.measure("forward"):
             fault_point("forward")
+            if self.sequence_groups is not None:
+                require_global_positions(kwargs)
             out = self.module(*args, **kwargs)
         if profiler is not None:
             profiler.after_forward()

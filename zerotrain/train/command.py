@@ -28,7 +28,8 @@ from zerotrain.config.flag_spellings import GPUS_PER_NODE, NODES
 from zerotrain.launcher.bootstrap import INTERRUPTED_EXIT_CODE  # a run stopped by Ctrl-C/SIGTERM, checkpointed
 
 TRAIN_USAGE = (
-    "zerotrain train [CONFIG.yaml] [--gpus-per-node N] [--hostfile FILE] [--resume | --overwrite] [--detach] "
+    "zerotrain train [CONFIG.yaml] [--gpus-per-node N] [--hostfile FILE] [--resume | --resume-from CHECKPOINT | "
+    "--overwrite] [--detach] "
     "[--section.key VALUE ...]"
 )
 # `zerotrain launch` flags that `zerotrain train` passes on to the multi-node launcher.
@@ -53,6 +54,11 @@ Llama learning a generated arithmetic language on this machine.
                         --nodes N (or --num_nodes), --master_addr A, --master_port P,
                         --ssh_port P, --ssh_args "...", --launcher ssh|slurm
   --resume              continue from the newest checkpoint in output.dir
+  --resume-from CHECKPOINT
+                        start from another run's checkpoint: a zerotrain checkpoints or tag
+                        folder, or a DeepSpeed save_checkpoint folder (or its global_stepN):
+                        weights, Adam moments and the step; the schedule continues at that
+                        step, the data after its samples (training.resume in the YAML)
   --overwrite           start again in an output.dir that holds a run (deletes its
                         checkpoints and metrics); without it such a folder is refused
   --detach              run in the background (survives the terminal closing); then
@@ -69,7 +75,7 @@ def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
     """(config path, trainer flags, override tokens) from `zerotrain train`'s arguments."""
     config: str | None = None
     flags: dict = {"nproc_per_node": None, "resume": False, "overwrite": False, "detach": False, "help": False,
-                   "launch": {}}
+                   "launch": {}, "resume_from": None}
     overrides: list[str] = []
     args = list(argv)
     i = 0
@@ -89,6 +95,8 @@ def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
             flags["launch"][key] = value
         elif token in ("--resume", "--overwrite", "--detach"):
             flags[token[2:]] = True
+        elif name == "--resume-from":
+            flags["resume_from"], i = _flag_value(args, i, name)
         elif token.startswith("--") and "." in name:
             overrides.append(token)
             if "=" not in token and i + 1 < len(args):
@@ -104,6 +112,9 @@ def split_train_argv(argv: Sequence[str]) -> tuple[str | None, dict, list[str]]:
         else:
             raise ValueError(f"one config file is accepted, got {config!r} and {token!r} (use inherit: to merge files)")
         i += 1
+    if flags["resume"] and flags["resume_from"]:
+        raise ValueError("--resume continues this run's own checkpoints, --resume-from starts from another "
+                         "checkpoint: choose one")
     return config, flags, overrides
 
 
@@ -142,15 +153,16 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
         from zerotrain.train.run_folder import require_checkpoint_to_resume
         from zerotrain.train.rank_run import run_in_this_process
         from zerotrain.train.step_prediction import write_prediction
-        from zerotrain.train.zero_fill import check_batch_at_world
+        from zerotrain.train.zero_fill import check_batch_at_world, wants_activation_offload
         cfg = load_train_config(config, overrides)
         check_sink_packages(cfg.logging)  # a missing wandb/tensorboard fails now, before any process starts
         check_model_config(cfg.model)  # a misspelt architecture or config_overrides key, likewise
         if cfg.training.loss_chunk_tokens:  # a head the chunked loss cannot reproduce, likewise
             check_chunked_loss(model_type_of(cfg.model))
+        wants_activation_offload(cfg)  # offload without checkpointing, likewise
         # A missing file, a bad first record: once, here, not once per rank.
         check_data_sources(cfg.data, evaluate=cfg.training.eval_interval > 0)
-        resume = "auto" if flags["resume"] else cfg.training.resume
+        resume = "auto" if flags["resume"] else flags["resume_from"] or cfg.training.resume
         run_dir = Path(cfg.output.dir)
         under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ or _under_slurm_tasks()
         if not under_launcher:
@@ -158,7 +170,10 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
         check_can_start(run_dir, resume, flags["overwrite"], config)
         if flags["resume"] and not under_launcher:
             require_checkpoint_to_resume(run_dir, config)
-        resolve_resume(resume, run_dir)  # a bad training.resume fails now, not after start-up
+        point = resolve_resume(resume, run_dir)  # a bad training.resume fails now, not after start-up
+        if point is not None and point.deepspeed is not None:  # a DeepSpeed run's: does it fit this model?
+            from zerotrain.train.deepspeed_start import check_deepspeed_start
+            check_deepspeed_start(cfg, point, config)
         prediction = None
         if not under_launcher and not set(flags["launch"]) - RENDEZVOUS_FLAGS:
             check_batch_at_world(cfg, _local_processes(flags))  # multi-node: the nodes' ranks check it

@@ -154,6 +154,12 @@ class TrainingSection(ConfigSection):
     """Compute the LM head and the loss this many tokens at a time, recomputing each chunk's logits
     in backward, so the full fp32 logits (4 bytes x tokens x vocabulary) never exist at once.
     None: the model's own loss. Llama, Mistral, Qwen2/3 and GPT-2 heads only."""
+    tiled_mlp: bool | PositiveInt = False
+    """Run each decoder layer's MLP this many tokens at a time, recomputed tile by tile in backward
+    (DeepSpeed's TiledMLP); true: DeepSpeed's ceil(sequence length / hidden size) tiles. Long sequences."""
+    offload_activations: bool = False
+    """Keep each checkpointed layer's input in CPU memory until its recompute (pinned, asynchronous
+    on a GPU); needs gradient_checkpointing. The DeepSpeed section's activation_checkpointing.cpu_checkpointing."""
     compile: bool = False
     """torch.compile (inductor) each decoder layer and the loss, ZeRO's hooks outside the graph: the
     DeepSpeed section's compile.enabled (its compile.backend and compile.kwargs apply)."""
@@ -167,7 +173,8 @@ class TrainingSection(ConfigSection):
     """Checkpoint every this many steps (0 = only at the end)."""
     resume: str = "never"
     """"auto" (continue from the newest checkpoint in output.dir, if any), "never", or a checkpoint
-    directory.  `zerotrain train --resume` sets "auto"."""
+    directory: zerotrain's, or a DeepSpeed run's save_checkpoint folder (or its global_stepN).
+    `zerotrain train --resume` sets "auto", `--resume-from PATH` a directory."""
     hang_timeout: NonNegativeFloat = 600.0
     """Seconds a rank may wait for the others (a step, a collective) before the job stops with every
     rank's stack and the ranks that did not arrive named; 0: wait forever."""

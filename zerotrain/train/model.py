@@ -43,6 +43,18 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
             raise unloadable(error, path) from error
         _check_vocab(model.config, tokenizer, "model.path")
         return model
+    hf_config = config_to_build(section, tokenizer)
+    if zero_init is not None:
+        from zerotrain.zero import Init
+
+        with Init(config=zero_init):
+            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
+    return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
+
+
+def config_to_build(section: Any, tokenizer: Any) -> Any:
+    """The checked Hugging Face config a `model` section without `path` builds its model from:
+    the vocabulary and special tokens from `tokenizer` unless config_overrides set them."""
     overrides = dict(section.config_overrides or {})
     hf_config = hf_config_of(section)
     if "vocab_size" not in overrides:
@@ -53,12 +65,24 @@ def build_model(section: Any, tokenizer: Any, *, zero_init: dict | None = None) 
     _check_vocab(hf_config, tokenizer, "model.config_overrides.vocab_size")
     check_sizes(hf_config, section)
     check_buildable(hf_config, section)
-    if zero_init is not None:
-        from zerotrain.zero import Init
+    return hf_config
 
-        with Init(config=zero_init):
-            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
-    return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote, **_fp32())
+
+def parameter_shapes(section: Any, tokenizer: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every trainable parameter of the model `build_model` builds, without
+    building it (on the meta device: no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    remote = bool(section.trust_remote_code)
+    if section.path:
+        path = Path(section.path).expanduser()
+        check_model_directory(path, str(section.path))
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=remote)
+    else:
+        hf_config = config_to_build(section, tokenizer)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote)
+    return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
 def hf_config_of(section: Any) -> Any:

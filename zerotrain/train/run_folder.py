@@ -4,8 +4,9 @@
   unless the user says `--resume` (continue it) or `--overwrite` (start again; the old
   run's files are removed first). A silent re-run used to overwrite it.
 - A folder with a live run (train.pid names a live process) is never touched by another.
-- `training.resume` names a checkpoints folder (one with `latest`) or one tag folder in
-  it; anything else is an error before any step, never a silent start from step 0.
+- `training.resume` (`--resume-from`) names a checkpoints folder (one with `latest`) or one tag
+  folder in it, zerotrain's or DeepSpeed's; anything else is an error before any step, never a
+  silent start from step 0.
 - Pruning (`output.keep_checkpoints`) removes only tags this run wrote, oldest first,
   and never the tag `latest` names.
 """
@@ -119,10 +120,12 @@ def clear_previous_run(run_dir: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where to load from: the checkpoints folder and, when one was named, the tag in it."""
+    """Where to load from: the checkpoints folder and, when one was named, the tag in it.
+    `deepspeed`: the tag folder DeepSpeed wrote, when the checkpoint is a DeepSpeed run's."""
 
     load_dir: Path
     tag: str | None = None
+    deepspeed: Path | None = None
 
 
 def is_checkpoint_tag(path: Path) -> bool:
@@ -142,6 +145,9 @@ def resolve_resume(resume: str, run_dir: Path) -> ResumePoint | None:
     path = Path(resume).expanduser()
     if is_checkpoint_tag(path):
         return ResumePoint(path.parent, path.name)
+    deepspeed = _deepspeed_tag_dir(path)
+    if deepspeed is not None:
+        return ResumePoint(path, None, deepspeed)
     if (path / LATEST).is_file():
         return ResumePoint(path)
     if not path.exists():
@@ -149,15 +155,30 @@ def resolve_resume(resume: str, run_dir: Path) -> ResumePoint | None:
     elif not path.is_dir():
         problem = "is a file, not a folder"
     else:
-        tags = sorted(p.name for p in path.iterdir() if is_checkpoint_tag(p))
+        tags = sorted(p.name for p in path.iterdir() if is_checkpoint_tag(p) or _deepspeed_tag_dir(p))
         problem = (
             f"has no `latest` file; it holds the tags {', '.join(tags)}: name one of them, e.g. {path / tags[-1]}"
-            if tags else f"is neither a checkpoints folder (no `{LATEST}` file) nor a checkpoint tag (no {META})"
+            if tags else f"is a zerotrain run folder: give its checkpoints folder, {path / CHECKPOINTS}"
+            if (path / CHECKPOINTS).is_dir() else
+            f"is neither a checkpoints folder (no `{LATEST}` file) nor a checkpoint tag (no {META}, and no "
+            "DeepSpeed model states file)"
         )
     raise RunFolderError(
-        f"training.resume: {path} {problem}. Give a checkpoints folder (e.g. {run_dir / CHECKPOINTS}) or one tag "
-        f"folder in it (e.g. {run_dir / CHECKPOINTS / 'step100'}), or use --resume for the newest checkpoint of this run"
+        f"training.resume (--resume-from): {path} {problem}. Give a checkpoints folder (e.g. {run_dir / CHECKPOINTS}) or one tag "
+        f"folder in it (e.g. {run_dir / CHECKPOINTS / 'step100'}), a DeepSpeed save_checkpoint folder (or its "
+        "global_stepN folder), or use --resume for the newest checkpoint of this run"
     )
+
+
+def _deepspeed_tag_dir(path: Path) -> Path | None:
+    """The DeepSpeed tag folder `path` names (a save folder whose `latest` names one, or the tag folder)."""
+    from zerotrain.checkpoint.deepspeed_layout import find_deepspeed_tag_dir
+    from zerotrain.checkpoint.errors import CheckpointError
+
+    try:
+        return find_deepspeed_tag_dir(path, None)
+    except CheckpointError as error:  # an unreadable `latest`
+        raise RunFolderError(f"training.resume: {error}") from error
 
 
 def newest_complete_checkpoint(checkpoints: Path) -> ResumePoint | None:

@@ -54,7 +54,7 @@ class Trainer:
 
     def __init__(self, cfg: Any, resume: str = "never") -> None:
         from zerotrain.train.data import build_data, load_tokenizer
-        from zerotrain.train.zero_fill import build_engine_config, wants_gradient_checkpointing
+        from zerotrain.train.zero_fill import build_engine_config, wants_activation_offload, wants_gradient_checkpointing
 
         self.cfg = cfg
         launch = init_distributed()
@@ -76,6 +76,13 @@ class Trainer:
         enable_gradient_checkpointing(self.model, self.checkpointing)
         if cfg.training.loss_chunk_tokens:
             enable_chunked_loss(self.model, cfg.training.loss_chunk_tokens)
+        if cfg.training.tiled_mlp:  # true: DeepSpeed's tile count; a number: tokens per tile
+            from zerotrain.runtime.tiled_mlp import enable_tiled_mlp
+            enable_tiled_mlp(self.model, None if cfg.training.tiled_mlp is True else cfg.training.tiled_mlp)
+        self.offload_activations = wants_activation_offload(cfg)
+        if self.offload_activations:  # after checkpointing: it offloads the checkpointed layers' inputs
+            from zerotrain.runtime.activation_offload import enable_activation_offload
+            enable_activation_offload(self.model)
         self.data = build_data(
             cfg.data, self.tokenizer, max_positions=max_positions(self.model), rank=self.rank, world_size=self.world,
             evaluate=cfg.training.eval_interval > 0,
@@ -148,7 +155,8 @@ class Trainer:
         progress.note(f"model: {type(self.engine.module).__name__}, {params:,} parameters; {self.world} ranks, "
                       f"{self.tokens_per_step:,} tokens per step, {self.total_steps} steps")
         progress.note(describe_memory_options(self.checkpointing, t.loss_chunk_tokens,
-                                              self.engine.parsed_config.zero_optimization))
+                                              self.engine.parsed_config.zero_optimization, t.tiled_mlp,
+                                              self.offload_activations))
         self.hang = HangWatch(t.hang_timeout, self.rank, self.world)
         if self.hang.enabled:
             progress.note(f"hang timeout: {t.hang_timeout:g} s without progress stops the job and names the ranks "
@@ -333,6 +341,14 @@ class Trainer:
                 "schedule": json.loads(json.dumps(schedule, default=str))}
 
     def _resume(self, point) -> None:
+        if point.deepspeed is not None:  # a DeepSpeed run's checkpoint (--resume-from)
+            from zerotrain.train.deepspeed_start import continue_deepspeed_run
+
+            path, self.state = continue_deepspeed_run(self.engine, self.batches, point, self.cfg.data.seq_len)
+            if self.rank == 0:
+                print(f"resumed from DeepSpeed's {path} at step {self.state.step}; the data continues after "
+                      f"{self.engine.global_samples} samples (epoch {self.batches.epoch})", flush=True)
+            return
         path, client = self.engine.load_checkpoint(point.load_dir, tag=point.tag)
         saved = (client or {}).get("run_state") or {}
         self.state = RunState(**saved)

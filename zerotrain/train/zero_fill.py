@@ -89,7 +89,8 @@ def build_engine_config(
         # DeepSpeed's section drives its own checkpointing API, which HF models never call; the trainer
         # turns on the model's gradient checkpointing instead (see wants_gradient_checkpointing).
         notes.append("zero.activation_checkpointing: applied as the model's gradient checkpointing (every layer, "
-                     "non-reentrant); its partition/cpu/contiguous options do not apply")
+                     "non-reentrant); its cpu_checkpointing as training.offload_activations, its partition and "
+                     "contiguous options do not apply")
     _add_optimizer(zero)
     _add_scheduler(zero, t, notes)
     _treat_absent_as_auto(zero)
@@ -114,6 +115,18 @@ def wants_gradient_checkpointing(cfg: TrainConfig) -> bool | str:
     if cfg.training.gradient_checkpointing:
         return cfg.training.gradient_checkpointing
     return "activation_checkpointing" in (cfg.zero or {})
+
+
+def wants_activation_offload(cfg: TrainConfig) -> bool:
+    """training.offload_activations, or the DeepSpeed section's activation_checkpointing.cpu_checkpointing
+    (DeepSpeed's switch for keeping checkpointed layers' inputs on the CPU). ConfigError when nothing is
+    checkpointed: there would be nothing to offload."""
+    section = (cfg.zero or {}).get("activation_checkpointing") or {}
+    if cfg.training.offload_activations and not wants_gradient_checkpointing(cfg):
+        raise ConfigError("training.offload_activations keeps the inputs of checkpointed layers on the CPU, and "
+                          "training.gradient_checkpointing is false: set it to true (or selective), or remove "
+                          "training.offload_activations")
+    return cfg.training.offload_activations or bool(section.get("cpu_checkpointing"))
 
 
 def resolve_precision(precision: str, device_type: str, zero: Mapping[str, Any] | None = None) -> str:

@@ -116,6 +116,14 @@ class RankBatches:
         self.batch_in_epoch = min(consumed // self.step_samples, self.batches_per_epoch)
         self._order = None
 
+    def skip_samples(self, samples: int) -> None:
+        """Continues after the first ``samples`` samples of this order (rounded down to a whole global
+        step), where a run that had trained on them would stand: for a run whose own position is not
+        known (a DeepSpeed run's global_samples)."""
+        self.epoch, within = divmod(int(samples), self.batches_per_epoch * self.step_samples)
+        self.batch_in_epoch = within // self.step_samples
+        self._order = None
+
     def __len__(self) -> int:
         """Micro-batches per epoch on this rank."""
         return self.batches_per_epoch
