@@ -32,6 +32,7 @@ confirms the answer with one:
 | --- | --- |
 | `zerotrain estimate MODEL` | the memory of every rung, per GPU and per node (`--deepspeed-format`: DeepSpeed's tables) |
 | `zerotrain plan MODEL --gpus 8 --gpu-memory 80GiB --global-batch 256` | the rung predicted fastest that fits, micro-batch and accumulation, each rung's predicted tokens/s and MFU, the minimum GPU count; `--scale 8,64,512` the same at other GPU counts; `--verify` runs 3 real steps |
+| `zerotrain plan MODEL --gpus 8 --gpu-memory 80GiB --max-seq-len` | the longest sequence the model trains on those GPUs, what to switch on to go longer, and the train YAML that runs it (also `estimate --max-seq-len`; [below](#long-sequences)) |
 | `zerotrain init` | the config wizard: `accelerate config`'s questions, each answered with its estimate (below) |
 | `zerotrain tune TRAIN_YAML` | times the candidates that fit, in one job, and picks the fastest ([tuning.md](tuning.md)) |
 
@@ -119,6 +120,35 @@ EXAMPLES = [
      "estimate llama-2-7b --gpus-per-node 8 --deepspeed-format"),
 ]
 
+LONG_SEQUENCES = """\
+## Long sequences
+
+`--max-seq-len` answers "what is the longest sequence this model trains on these GPUs?": for each
+rung, the longest length (at micro-batch 1, in steps of 1,024 tokens and of the sequence-parallel
+size) whose memory fits, the longest of them with what runs out one step further, then each
+long-sequence switch left off turned on alone and all together, and the `zerotrain train` YAML
+of the answer. Only the activations grow with the sequence, so each rung is estimated once and
+the length found by bisection; the answer is estimated again in full. The switches, as flags or
+from a train YAML:
+
+| flag | train YAML | what the memory model counts |
+| --- | --- | --- |
+| `--sequence-parallel N` | `training.sequence_parallel_size: N` | each rank's activations and logits at seq/N; the attention kernel's output (no longer shared with o_proj's input), key/value heads replicated up to N when there are fewer, and the all-to-all's send and receive buffers of q; model states still shard over every rank |
+| `--tiled-mlp [TOKENS]` | `training.tiled_mlp: true` (or tokens per tile) | the MLP keeps only its input; backward's recompute of one tile (as long as the model is wide, DeepSpeed's rule) holds its intermediates and their gradients. With selective checkpointing nothing is saved: its policy keeps the tiles' matmul outputs |
+| `--offload-activations` | `training.offload_activations: true` | each checkpointed layer's input moves to host memory, pinned (a power of two each), counted per node against `--cpu-memory` (rungs with checkpointing only) |
+| `--loss-chunk-tokens N` | `training.loss_chunk_tokens: N` | one chunk's logits at a time |
+
+The terms are checked against a tiny Llama on the CPU, op by op (every storage a forward and
+backward makes, followed until it is freed; tests/planning/test_long_sequence_memory_measured.py):
+the bytes alive after the forward are within 10% of the model's saved activations at 256-1,024
+tokens, with tiled MLP, offload and both, and on each of 2 ranks at sequence parallel 2; offloaded
+bytes equal the model's exactly (unpinned on a CPU); the model's peak is never under the
+measured peak and at most 2x over it (it adds the logits' peak to one layer's recompute, which
+do not coexist: the gap is largest, +82%, when tiling and offload make the recompute small).
+`estimate MODEL --seq-len S` with the same flags gives every rung's memory at one length; `plan`
+without `--max-seq-len` plans data parallelism alone and refuses the first three flags.
+"""
+
 WIZARD = """\
 ## The config wizard
 
@@ -201,12 +231,16 @@ whose peak is over `--gpu-memory`, is dropped and the plan falls to the next run
 - The activation model covers Llama-family (Llama, Mistral, Qwen2) and GPT-2 architectures.
 - NVMe rungs report the bytes parked on disk; the host buffers they swap through are estimated,
   not measured.
-- Data-parallel ZeRO only: no tensor or pipeline parallelism, so a model whose activations at
-  micro-batch 1 exceed one GPU does not fit at any GPU count.
+- No tensor or pipeline parallelism: beyond data-parallel ZeRO, only sequence parallelism
+  (`--max-seq-len` with `--sequence-parallel`) shrinks a sample's activations per GPU.
+- `--max-seq-len` does not cap the answer at the model's `max_position_embeddings`; it says when
+  the answer is beyond it (rope scaling is then needed).
 
 This page is generated: `python docs/generate_planning.py` rewrites it from the tools' output.
 """
 
+
+LONG_COMMAND = "plan llama-2-7b --gpus 8 --gpu-memory 80GiB --cpu-memory 1TiB --max-seq-len"
 
 SCALE_COMMAND = ("plan llama-2-7b --gpus 8 --gpu-memory 80GiB --cpu-memory 1TiB --seq-len 4096 --global-batch 1024 "
                  "--gpu h100 --inter-node ib-ndr --scale 8,64,256,1024")
@@ -239,6 +273,8 @@ def render() -> str:
         if title:
             parts.append(f"### {title}\n\n{words}\n")
         parts.append(f"```console\n$ zerotrain {command}\n{run_cli(command).rstrip()}\n```\n")
+    parts.append(LONG_SEQUENCES)
+    parts.append(f"```console\n$ zerotrain {LONG_COMMAND}\n{run_cli(LONG_COMMAND).rstrip()}\n```\n")
     parts.append(WIZARD)
     with tempfile.TemporaryDirectory() as folder:  # the files it writes are not part of the page
         transcript = run_cli(INIT_COMMAND, Path(folder))

@@ -121,6 +121,20 @@ def test_client_scheduler_drives_the_rebuilt_optimizer():
     assert engine.get_lr()[0] == pytest.approx(0.1 * 0.5**3)
 
 
+def test_a_scheduler_left_on_the_users_optimizer_sets_the_rebuilt_optimizers_lr():
+    # Accelerate keeps a torch scheduler on the user's optimizer and steps it itself (DeepSpeed steps that object)
+    model = _model()
+    client = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 0.5**step)
+    cfg = _config()
+    del cfg["optimizer"]
+    engine, _, _, _ = zerotrain.initialize(model=model, optimizer=client, config=cfg)
+    for _ in range(3):
+        _train(engine, 1)
+        sched.step()
+    assert engine.get_lr()[0] == pytest.approx(0.1 * 0.5**3)
+
+
 def test_a_scheduler_factory_gets_the_torch_optimizer():
     # the HF Trainer hands its schedule over as a factory when the config has only an optimizer section
     engine, _, _, sched = zerotrain.initialize(

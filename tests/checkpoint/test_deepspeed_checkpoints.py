@@ -1,8 +1,10 @@
 """Checkpoints written by real DeepSpeed (tests/fixtures/deepspeed_checkpoints, see write_fixtures.py there):
 zerotrain recognises them and consolidates each to DeepSpeed's own zero_to_fp32 output, bit for bit.
 
-Every fixture was written by DeepSpeed 0.19.8 on torch 2.13 CPU ranks (2 Gloo ranks); each
-fixture.json says which release wrote it. DeepSpeed is never imported here.
+Every fixture was written on torch 2.13 CPU ranks (2 Gloo ranks): by DeepSpeed 0.15.4 where its name
+starts with ds0.15_ (one of them with elastic_checkpoint, whose optimizer state is a list per param
+group), by DeepSpeed 0.19.8 otherwise (stage3_fp32_subgroups: several sub-groups per param group);
+each fixture.json says which release wrote it. DeepSpeed is never imported here.
 """
 
 from __future__ import annotations
@@ -35,12 +37,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
 
 
-def test_every_case_of_the_minimum_matrix_is_there():
+def test_every_case_of_the_minimum_matrix_is_there_written_by_the_release_its_name_says():
     wanted = {"stage0_fp32", "stage1_fp32", "stage2_fp32", "stage3_fp32", "stage2_bf16", "stage3_bf16",
-              "stage2_fp16", "stage3_fp32_offload"}
+              "stage2_fp16", "stage3_fp32_offload", "stage3_fp32_subgroups", "ds0.15_stage1_fp32",
+              "ds0.15_stage2_fp32", "ds0.15_stage2_bf16", "ds0.15_stage3_fp32", "ds0.15_stage2_fp32_elastic"}
     assert wanted <= set(CASES), f"missing fixtures: {sorted(wanted - set(CASES))}"
     for case in CASES:
-        assert fixture(case)["written_by"]["deepspeed"] == "0.19.8", case
+        assert fixture(case)["written_by"]["deepspeed"] == ("0.15.4" if case.startswith("ds0.15_") else "0.19.8"), case
+
+
+def test_the_subgroups_fixture_splits_each_param_group_into_several_sub_groups():
+    tag = FIXTURES / "stage3_fp32_subgroups" / "checkpoint" / "global_step3"
+    checkpoint = DeepSpeedCheckpoint(tag)
+    sub_groups = [[checkpoint.flat_group_of[n] for n in group] for group in PARAM_GROUPS]
+    assert all(len(set(groups)) > 1 for groups in sub_groups), sub_groups
+    assert len(checkpoint.optim_states[0]["fp32_flat_groups"]) == len(set(sum(sub_groups, [])))
 
 
 @pytest.mark.parametrize("case", WITH_REFERENCE)
@@ -55,6 +66,13 @@ def test_consolidated_weights_equal_deepspeeds_zero_to_fp32_bitwise(case):
     # Stage 1 records no frozen parameters, so DeepSpeed's zero_to_fp32 drops them; zerotrain keeps the module's.
     extra = set(ours) - set(theirs)
     assert extra == ({"frozen.weight"} if fixture(case)["case"]["stage"] == 1 else set())
+    if case.startswith("ds0.15_"):
+        # 0.15's zero_to_fp32 casts every buffer to fp32, integers too, and leaves a 16-bit frozen parameter
+        # 16-bit; zerotrain keeps the int64 buffer and widens frozen parameters to fp32 as 0.19.8 does.
+        assert ours["version"].dtype == torch.int64 and theirs["version"].dtype == torch.float32
+        for name in ("version", "frozen.weight"):
+            if name in theirs and ours[name].dtype != theirs[name].dtype:
+                assert same_bits(ours.pop(name).to(theirs[name].dtype), theirs.pop(name)), name
     differing = [name for name in theirs if name in ours and not same_bits(ours[name], theirs[name])]
     assert differing == []
 

@@ -1,7 +1,8 @@
 """engine.load_checkpoint on folders real DeepSpeed wrote: zerotrain continues DeepSpeed's run as DeepSpeed did.
 
-Each fixture (tests/fixtures/deepspeed_checkpoints, written by DeepSpeed 0.19.8 on torch 2.13, 2 Gloo
-CPU ranks, see write_fixtures.py) records DeepSpeed's own next 3 losses after loading the checkpoint into
+Each fixture (tests/fixtures/deepspeed_checkpoints, written on torch 2.13, 2 Gloo CPU ranks, by DeepSpeed
+0.15.4 where its name starts with ds0.15_, by 0.19.8 otherwise; see write_fixtures.py) records DeepSpeed's
+own next 3 losses after loading the checkpoint into
 a fresh engine. zerotrain builds the same model and config, loads the same checkpoint, trains the same 3
 batches and must give those losses. One 2-rank spawn runs every case; one 1-rank spawn the resharding case.
 
@@ -42,6 +43,14 @@ RESHARD_FROM = "stage2_fp32"
 
 def _fixture(case: str) -> dict:
     return json.loads((FIXTURES / case / "fixture.json").read_text())
+
+
+def _zerotrain_config(case: str) -> dict:
+    """The DeepSpeed run's config, less elastic_checkpoint (how DeepSpeed saves, not how it trains), which
+    zerotrain refuses, telling the user to set it false: its own checkpoints load at any world size."""
+    config = json.loads(json.dumps(_fixture(case)["ds_config"]))
+    config["zero_optimization"].pop("elastic_checkpoint", None)
+    return config
 
 
 def _write_fixtures():
@@ -96,7 +105,7 @@ def _all_cases_on_two_ranks(scratch: str) -> dict:
     from zerotrain.checkpoint.errors import CheckpointError
 
     rank = int(os.environ["RANK"])  # the process group starts with the first engine
-    out = {case: _resume(_fixture(case)["ds_config"], FIXTURES / case / "checkpoint", 2, rank) for case in CASES}
+    out = {case: _resume(_zerotrain_config(case), FIXTURES / case / "checkpoint", 2, rank) for case in CASES}
     stage3 = dict(_fixture(RESHARD_FROM)["ds_config"], zero_optimization={"stage": 3})
     out["reshard_stage3"] = _resume(stage3, FIXTURES / RESHARD_FROM / "checkpoint", 2, rank)
     broken = Path(scratch) / "checkpoint"
@@ -197,3 +206,31 @@ def test_load_module_only_and_load_optimizer_states_false_are_honoured(resumed):
         assert _worst_relative(run["losses"], theirs) > 1e-3  # fresh moments (and step count, LR) train apart
     assert module_only["counters"] == (0, 0, 0)
     assert no_optimizer["counters"] == (3, 12, 0)
+
+
+def test_elastic_checkpoint_moments_land_on_their_parameters():
+    """DeepSpeed 0.15.4 with elastic_checkpoint saves, per rank, a list of each param group's moments (no
+    torch state dict): rank R's piece of group G is that rank's stretch of the group's flat partition."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zerotrain.checkpoint.deepspeed_pickle import load_deepspeed_file
+    from zerotrain.checkpoint.deepspeed_resume import DeepSpeedResumeReader
+
+    tag = FIXTURES / "ds0.15_stage2_fp32_elastic" / "checkpoint" / "global_step3"
+    engine = SimpleNamespace(gradient_accumulation_steps=lambda: 1, train_batch_size=lambda: 4, loss_scaler=None)
+    reader = DeepSpeedResumeReader(tag, engine)
+    ranks = [load_deepspeed_file(tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+             for r in (0, 1)]
+    for kind in MOMENTS:
+        saved = [torch.cat([rank["base_optimizer_state"][g][kind] for rank in ranks]) for g in (0, 1)]
+        for g, names in enumerate((STAGE0_OPTIMIZER_ORDER[:3], STAGE0_OPTIMIZER_ORDER[3:])):  # param group order
+            offset = 0
+            for name in names:  # DeepSpeed 0.15 puts no alignment padding between parameters
+                numel = reader.numel(name)
+                assert reader.read_range(kind, name, 0, numel).equal(saved[g][offset : offset + numel]), (kind, name)
+                offset += numel
+    assert reader.meta["group_scalars"] == [{"step": {"value": 3.0, "dtype": "float32"}}] * 2
+    assert reader.meta["param_groups"] == [{}, {}]  # DeepSpeed restores no hyperparameters from this form
+

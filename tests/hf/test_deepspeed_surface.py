@@ -76,12 +76,28 @@ def test_what_zerotrain_lacks_is_refused_by_name(standin_deepspeed):
         standin_deepspeed.tp_model_init(model=None, tp_size=2, dtype=torch.float32)
 
 
-def test_accelerate_refuses_deepspeed_tensor_parallelism_with_its_own_error(standin_deepspeed):
+def test_accelerate_opens_ulysses_and_autotp_paths_and_the_ulysses_names_are_there(standin_deepspeed):
+    import inspect
+
     from accelerate.utils import compare_versions
 
-    # Accelerate asks for deepspeed >= 0.16.4 before DeepSpeed's AutoTP and >= 0.18.2 for Ulysses
-    assert not compare_versions("deepspeed", ">=", "0.16.4")
-    assert compare_versions("deepspeed", ">=", "0.9.3")  # its (and transformers') minimum
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+        TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, sequence_tiled_compute,
+    )
+    from deepspeed.utils import groups
+
+    # Accelerate asks for deepspeed >= 0.18.2 before Ulysses (and >= 0.16.4 before AutoTP, which zerotrain
+    # refuses itself: tests/hf/test_ulysses_clients.py)
+    assert compare_versions("deepspeed", ">=", "0.18.2") and compare_versions("deepspeed", ">=", "0.16.4")
+    assert standin_deepspeed.__version__ == "0.19.8"
+    # Accelerate passes disable_in_eval only when the signature has it
+    assert list(inspect.signature(UlyssesSPAttentionHF.register_with_transformers).parameters) == [
+        "model_name_or_path", "core_attn_implementation", "sequence_parallel_size", "micro_batch_size",
+        "seq_length", "seq_length_is_variable", "disable_in_eval", "max_length"]
+    assert UlyssesSPAttentionHF.register_with_transformers("unused", "sdpa", 1, 1) is None  # sp 1: nothing done
+    assert groups._get_sequence_parallel_world_size.__module__ == "deepspeed.utils.groups"
+    assert callable(TiledMLP.apply) and callable(TiledFusedLogitsLoss.apply) and callable(sequence_tiled_compute)
+    assert UlyssesSPDataLoaderAdapter.__len__
 
 
 def test_the_names_deepspeed_chat_imports_are_there(standin_deepspeed):

@@ -5,7 +5,9 @@ restore steps use (params, module_entries, kinds, read_range, read_module, meta)
 fill the engine's shards at any world size and stage. What DeepSpeed keeps where (0.19.8):
 - masters and moments: stages 1-2 hold each rank's flat fp32 partition per param group and, in
   `base_optimizer_state`, torch's optimizer state of that flat partition (same layout); stage 3 the
-  same per sub-group (`fp32_flat_groups`, `optimizer_state_dict`); stage 0 torch's state dict per
+  same per sub-group (`fp32_flat_groups`, `optimizer_state_dict`; `param_shapes` per sub-group there),
+  or, saved with `elastic_checkpoint` (read as 0.15.4 writes it), a list of each group's state in
+  that layout; stage 0 torch's state dict per
   parameter, numbered in optimizer order (deepspeed_layout names them);
 - the step and other scalars per (sub-)group; the LR scheduler, global_steps, global_samples and
   skipped_steps in the model states file; the fp16 loss scaler in the optimizer files (stage 0: the
@@ -114,6 +116,8 @@ class DeepSpeedResumeReader:
             return base["param_groups"], {n: _scalars(e) for n, e in per_name.items()}, group_names
         key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
         bases = [o.get(key) for o in checkpoint.optim_states]
+        if stage <= 2 and all(isinstance(base, list) for base in bases):
+            return self._elastic_optimizer_state(checkpoint, bases)
         for base in bases:
             self._check_base(base, self.tag_dir)
         states = [[b["state"][i] for i in sorted(b["state"])] for b in bases]
@@ -121,16 +125,45 @@ class DeepSpeedResumeReader:
         for kind in kinds:
             self._values[kind] = checkpoint.split_flat([[entry[kind] for entry in rank] for rank in states])
         per_name = {name: _scalars(states[0][group]) for name, group in checkpoint.flat_group_of.items()}
-        group_names = [list(shapes) for shapes in self.model_state["param_shapes"]]
+        # Each torch param group lists its flat groups: stages 1-2 one, stage 3 its sub-groups, whose
+        # parameters param_shapes gives per sub-group.
+        shapes = self.model_state["param_shapes"]
+        group_names = [[n for flat in g["params"] for n in shapes[flat]] for g in bases[0]["param_groups"]]
         return bases[0]["param_groups"], per_name, group_names
+
+    def _elastic_optimizer_state(self, checkpoint: DeepSpeedCheckpoint,
+                                 bases: list[list]) -> tuple[list[dict], dict, list[list[str]]]:
+        """`elastic_checkpoint` (stages 1-2): each rank's `base_optimizer_state` is a list, per param group,
+        of that group's state (moments laid out as its flat fp32 partition, padding cut alike) without
+        torch's param_groups: DeepSpeed restores only the step (`base_optimizer_state_step` when the
+        state holds none), so this engine's hyperparameters stay."""
+        group_names = [list(shapes) for shapes in self.model_state["param_shapes"]]
+        if any(len(base) != len(group_names) or not all(isinstance(g, dict) for g in base) for base in bases):
+            raise CheckpointError(
+                f"{self.tag_dir}: base_optimizer_state holds {len(bases[0])} entries for {len(group_names)} param "
+                "groups; pass load_optimizer_states=False to resume the weights only"
+            )
+        kinds = [k for k, v in bases[0][0].items() if torch.is_tensor(v) and v.dim()]
+        for kind in kinds:
+            self._values[kind] = checkpoint.split_flat([[group[kind] for group in base] for base in bases])
+        saved_step = checkpoint.optim_states[0].get("base_optimizer_state_step")
+        per_group = []
+        for state in bases[0]:
+            scalars = _scalars(state)
+            step = scalars.pop("step", {}).get("value", saved_step)
+            if step is not None:  # torch's Adam keeps a float32 tensor, DeepSpeed's own an int
+                scalars["step"] = {"value": float(step), "dtype": "float32"}
+            per_group.append(scalars)
+        per_name = {name: per_group[group] for name, group in checkpoint.flat_group_of.items()}
+        return [{} for _ in group_names], per_name, group_names
 
     def _check_base(self, base: object, where: Path) -> None:
         ok = isinstance(base, dict) and isinstance(base.get("state"), dict) and isinstance(base.get("param_groups"), list)
         if not ok:
             raise CheckpointError(
-                f"{where}: the optimizer state is not torch's state dict (state, param_groups) where DeepSpeed "
-                "0.19 keeps it; this DeepSpeed release's layout is not read: pass load_optimizer_states=False "
-                "to resume the weights only"
+                f"{where}: the optimizer state is neither torch's state dict (state, param_groups) nor, from an "
+                "elastic_checkpoint run, a list per param group; this layout is not read: pass "
+                "load_optimizer_states=False to resume the weights only"
             )
 
     def _group_scalars(self, names: list[str], per_name: dict[str, dict]) -> dict:

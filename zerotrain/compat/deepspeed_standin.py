@@ -21,12 +21,13 @@ STANDIN_DIR = Path(__file__).resolve().parent / "standin"
 COMMANDS_DIR = STANDIN_DIR / "bin"
 """Holds a `deepspeed` command (DeepSpeed's launcher name, running `zerotrain launch`); first on PATH."""
 
-VERSION = "0.16.3"
+VERSION = "0.19.8"
 """The DeepSpeed version the stand-in reports; `standin/deepspeed-<VERSION>.dist-info` must match it
 (tests/hf/test_standin.py checks). At or above what transformers (0.9.3), Accelerate (0.14.5 for its
-no-ssh multi-node launcher) and Lightning (0.16.0 with torch >= 2.6) require; below what they require
-for features zerotrain does not have (Accelerate's tensor parallelism 0.16.4, Ulysses sequence
-parallelism 0.18.2), so those stop with the libraries' own errors."""
+no-ssh multi-node launcher, 0.18.2 for Ulysses sequence parallelism, which the stand-in has) and
+Lightning (0.16.0 with torch >= 2.6) require; 0.19.8 is the DeepSpeed whose `ulysses_sp` API the
+stand-in copies. It also opens Accelerate's AutoTP path (>= 0.16.4): zerotrain refuses tensor
+parallelism itself (`tensor_parallel` in the config, `tp_model_init`) before any rank trains."""
 
 ACTIVE_ENV = "ZEROTRAIN_DEEPSPEED_STANDIN"
 """Set to 1 in the processes the stand-in was activated for (ranks report it in errors)."""

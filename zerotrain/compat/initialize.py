@@ -25,6 +25,7 @@ def initialize(
     collate_fn=None,
     config: Any = None,
     config_params: Any = None,
+    mpu: Any = None,
 ):
     """Wraps `model` for ZeRO training, as `deepspeed.initialize` does.
 
@@ -40,6 +41,9 @@ def initialize(
         collate_fn: passed to the DataLoader.
         config: a dict, a path (.json with comments, .yaml) or a base64 JSON string.
         config_params: DeepSpeed's older name for `config`.
+        mpu: a sequence-parallel layout (what `UlyssesSPAttentionHF.register_with_transformers`
+            returns; Accelerate passes it): its `get_sequence_parallel_world_size()` sets
+            `sequence_parallel_size`. Model-parallel (Megatron) mpus are refused.
 
     Returns:
         (engine, optimizer, training_dataloader, lr_scheduler)
@@ -66,7 +70,14 @@ def initialize(
             "an optimizer was passed to initialize() and the config has an \"optimizer\" section: "
             "use one of the two (remove the section, or drop the optimizer argument)"
         )
-    cfg = resolve_config(cfg, world_size=torch.distributed.get_world_size(), model=model)
+    if mpu is not None:
+        cfg = with_sequence_parallel_of(cfg, mpu)
+    try:
+        cfg = resolve_config(cfg, world_size=torch.distributed.get_world_size(), model=model)
+    except ConfigError as error:
+        if cfg.sequence_parallel_size > 1 and mpu is not None and "do not multiply out" in str(error):
+            raise ConfigError(f"{error}. {ACCELERATE_SP_BATCH_HINT}") from None
+        raise
 
     param_groups = param_groups_of(model, optimizer, model_parameters)
     engine = Engine(
@@ -82,6 +93,41 @@ def initialize(
     if cfg.compile.enabled:  # DeepSpeed 0.14's `compile` section: compiled as engine.compile() would
         engine.compile(cfg.compile.backend, dict(cfg.compile.kwargs))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+ACCELERATE_SP_BATCH_HINT = (
+    "With sequence parallelism the world size here is world / sequence_parallel_size (the ranks of a sequence "
+    "group train the same samples). Accelerate writes train_batch_size = micro x accumulation x "
+    "ParallelismConfig.data_parallel_size: set ParallelismConfig(dp_shard_size=world / sp_size) (or "
+    "dp_replicate_size) so that it counts the sequence groups, or set train_batch_size yourself"
+)
+
+
+def with_sequence_parallel_of(cfg: Any, mpu: Any) -> Any:
+    """`cfg` with `sequence_parallel_size` from `mpu` (DeepSpeed takes it from the mpu, not the
+    config). A config that names another size, or an mpu without sequence-parallel accessors, is refused."""
+    if not hasattr(mpu, "get_sequence_parallel_world_size"):
+        from zerotrain.compat.unsupported_features import model_parallel_unsupported
+
+        model_parallel_unsupported()
+    size = int(mpu.get_sequence_parallel_world_size())
+    if "sequence_parallel_size" in cfg.model_fields_set and cfg.sequence_parallel_size != size:
+        raise ConfigError(
+            f"the config sets sequence_parallel_size {cfg.sequence_parallel_size}, and the mpu passed to initialize() "
+            f"has a sequence-parallel world size of {size}: remove the key (the mpu decides) or make them equal"
+        )
+    if groups_module := _standin_groups():
+        groups_module.mpu = mpu  # DeepSpeed's engine sets it: Accelerate and the Trainer read groups._get_sequence_*
+    return cfg.model_copy(update={"sequence_parallel_size": size})
+
+
+def _standin_groups():
+    standin = sys.modules.get("deepspeed")
+    if standin is None or not getattr(standin, "__zerotrain_standin__", False):
+        return None
+    from deepspeed.utils import groups
+
+    return groups
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

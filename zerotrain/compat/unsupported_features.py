@@ -22,6 +22,9 @@ def tp_model_init(*args, **kwargs):
     )
 
 
-def sequence_parallel_unsupported(*args, **kwargs):
-    """DeepSpeed's Ulysses sequence parallelism."""
-    raise _refuse("Sequence parallelism (Ulysses / ALST)", "Use sp_size 1.")
+def model_parallel_unsupported(*args, **kwargs):
+    """An mpu for Megatron-style model (tensor or pipeline) parallelism passed to initialize()."""
+    raise _refuse(
+        "Model parallelism from an mpu (Megatron-style tensor/pipeline groups)",
+        "Pass no mpu, or the sequence-parallel mpu of UlyssesSPAttentionHF.register_with_transformers.",
+    )

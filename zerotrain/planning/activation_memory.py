@@ -31,6 +31,17 @@ first step (8TV).
 With gradient checkpointing each layer keeps only its input (eTh), inputs all layers share are
 kept once (GPT-2's eager attention mask, e.b.s^2), and one layer's full set exists again while
 it is recomputed in backward.
+
+Long sequences (`LongSequence`): with Ulysses sequence parallelism over N ranks each rank holds
+T = b.s/N tokens, so every term above is counted at s/N, and the attention kernel's inputs (1/N
+of the heads over the whole sequence) are the same bytes; what is added is the kernel's output,
+no longer shared with o_proj's input (e.T.n.d), key/value heads replicated up to N when there are
+fewer (sequence/attention.py), and the all-to-all's two staging buffers (send and receive) of the
+largest exchange, q (2 e.T.n.d), alive while one layer's attention exchanges. A tiled MLP keeps
+only its input: the 4 e.T.i of the MLP are gone, and backward's recompute of one tile of tau
+tokens holds that tile's intermediates and their gradients (8 e.tau.i). Offloaded activations
+move each checkpointed layer's input (eTh) to host memory, pinned, so rounded up to a power of
+two by torch's pinned allocator; the recomputed layer's input comes back for its recompute.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from zerotrain.planning.pinned_memory import pinned_bytes
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
@@ -65,6 +78,17 @@ class ActivationEstimate:
     logits_peak_bytes: int
     """The LM head and loss at their peak: logits, saved log-softmax, two fp32 gradients."""
     attention: str
+    transient_bytes: int = 0
+    """Alive for a moment at the peak: the all-to-all's staging buffers, one tile's recompute."""
+    offloaded_per_layer_bytes: int = 0
+    """With offloaded activations: each checkpointed layer's input, moved to host memory."""
+
+    def host(self, gradient_checkpointing: bool | str) -> int:
+        """Host bytes of offloaded activations: every checkpointed layer's input, pinned (0 when
+        nothing is offloaded, or without checkpointing: only checkpointed layers offload)."""
+        if checkpointing_mode(gradient_checkpointing) == "none":
+            return 0
+        return self.layers * pinned_bytes(self.offloaded_per_layer_bytes)
 
     def saved(self, gradient_checkpointing: bool | str) -> int:
         """Bytes saved at the end of the forward (what `saved_tensors_hooks` sees, and with selective
@@ -77,6 +101,8 @@ class ActivationEstimate:
             kept = self.layers * self.selective_per_layer_bytes + self.checkpoint_shared_bytes
         else:
             kept = self.layers * self.per_layer_bytes
+        if mode != "none":  # offloaded inputs live on the host (`host`), not here
+            kept -= self.layers * self.offloaded_per_layer_bytes
         return kept + self.outside_layers_bytes + self.logits_saved_bytes
 
     def total(self, gradient_checkpointing: bool | str) -> int:
@@ -84,7 +110,10 @@ class ActivationEstimate:
         mode = checkpointing_mode(gradient_checkpointing)
         recompute = {"none": 0, "full": self.per_layer_bytes,
                      "selective": max(0, self.per_layer_bytes - self.selective_per_layer_bytes)}[mode]
-        return self.saved(mode) - self.logits_saved_bytes + recompute + self.logits_peak_bytes
+        if mode != "none":  # the recomputed layer's input, back from the host
+            recompute += self.offloaded_per_layer_bytes
+        return (self.saved(mode) - self.logits_saved_bytes + recompute + self.transient_bytes
+                + self.logits_peak_bytes)
 
 
 def checkpointing_mode(gradient_checkpointing: bool | str) -> str:
@@ -94,9 +123,30 @@ def checkpointing_mode(gradient_checkpointing: bool | str) -> str:
     return "full" if gradient_checkpointing else "none"
 
 
+@dataclass(frozen=True)
+class LongSequence:
+    """The long-sequence switches of `zerotrain train` (issue 37, DeepSpeed's ALST)."""
+
+    sequence_parallel: int = 1
+    """Ulysses ranks sharing each sequence (training.sequence_parallel_size)."""
+    tiled_mlp: bool | int = False
+    """training.tiled_mlp: False; True (DeepSpeed's rule: tiles as long as the model is wide); or tokens per tile."""
+    offload_activations: bool = False
+    """training.offload_activations: checkpointed layers' inputs kept in host memory."""
+
+    def tile_tokens(self, tokens: int, hidden: int) -> int | None:
+        """Tokens in one MLP tile for `tokens` rows (runtime/tiled_mlp.py's rule), None when not tiled."""
+        if self.tiled_mlp is False:
+            return None
+        if self.tiled_mlp is True:  # ceil(rows / ceil(seq / hidden)) with rows = tokens: about `hidden`
+            return min(tokens, hidden) if tokens else 0
+        return min(tokens, int(self.tiled_mlp))
+
+
 def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: torch.dtype,
                          attention: str = "sdpa", device_type: str = "cuda",
-                         loss_chunk_tokens: int | None = None) -> ActivationEstimate:
+                         loss_chunk_tokens: int | None = None,
+                         long_sequence: LongSequence = LongSequence()) -> ActivationEstimate:
     """The activation bytes of one micro-batch of `micro_batch` x `seq_len` tokens.
 
     Args:
@@ -106,7 +156,10 @@ def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: to
         device_type: "cuda" or "cpu": dropout masks are bytes on a GPU, dtype-sized on a CPU.
         loss_chunk_tokens: the LM head and loss a chunk of this many tokens at a time
             (zerotrain train's training.loss_chunk_tokens): one chunk's logits at most.
-    Raises ValueError for an architecture the model does not cover.
+        long_sequence: sequence parallelism, tiled MLP, offloaded activations; the bytes are one
+            rank's, which holds seq_len / sequence_parallel tokens of each sample.
+    Raises ValueError for an architecture the model does not cover, or eager attention with
+    sequence parallelism (refused by zerotrain: it is O(seq^2)).
     """
     kind = getattr(model_config, "model_type", None)
     if kind not in SUPPORTED:
@@ -114,8 +167,12 @@ def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: to
                          f"this model is {kind!r}")
     if attention not in ("sdpa", "eager"):
         raise ValueError(f'attention must be "sdpa" or "eager", got {attention!r}')
+    sp = long_sequence.sequence_parallel
+    if sp > 1 and attention == "eager":
+        raise ValueError("sequence parallelism runs on sdpa attention: eager keeps the seq x seq score "
+                         "matrices it exists to avoid (use --attention sdpa)")
     e = torch.empty(0, dtype=dtype).element_size()
-    b, s = micro_batch, seq_len
+    b, s = micro_batch, -(-seq_len // sp)  # one rank's slice of each sample
     t = b * s
     if kind == "gpt2":
         per_layer, outside, layers, vocab = _gpt2(model_config, b, s, e, attention, device_type)
@@ -123,6 +180,18 @@ def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: to
     else:
         per_layer, outside, layers, vocab = _llama(model_config, b, s, e, attention)
         selective = _llama_selective(model_config, b, s, e, attention)
+    transient = 0
+    if sp > 1:
+        kernel_out, kv_extra, q_bytes = _ulysses_extra(model_config, t, e, sp)
+        per_layer += kernel_out + kv_extra
+        selective += kv_extra  # the kernel's output is kept by the policy already
+        transient += 2 * q_bytes
+    tile = long_sequence.tile_tokens(t, _hidden(model_config))
+    if tile is not None:
+        mlp_saved, mlp_selective, tile_peak = _tiled_mlp_savings(model_config, t, tile, e)
+        per_layer -= mlp_saved
+        selective -= mlp_selective
+        transient += tile_peak
     outside += 8 * t  # token ids (int64), kept by the embedding
     if loss_chunk_tokens:  # a chunk's logits live only inside its checkpoint; the targets are kept
         c = min(t, loss_chunk_tokens)
@@ -141,7 +210,38 @@ def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: to
         logits_saved_bytes=logits_saved,
         logits_peak_bytes=logits_peak,
         attention=attention,
+        transient_bytes=transient,
+        offloaded_per_layer_bytes=e * t * _hidden(model_config) if long_sequence.offload_activations else 0,
     )
+
+
+def _heads(c) -> tuple[int, int, int]:
+    """Query heads, key/value heads, head width."""
+    if c.model_type == "gpt2":
+        return c.n_head, c.n_head, c.n_embd // c.n_head
+    n = c.num_attention_heads
+    return n, getattr(c, "num_key_value_heads", None) or n, getattr(c, "head_dim", None) or c.hidden_size // n
+
+
+def _ulysses_extra(c, t: int, e: int, sp: int) -> tuple[int, int, int]:
+    """Sequence parallelism's additions per layer for `t` local tokens: the kernel's own output
+    (o_proj reads the all-to-all's result instead), the key/value heads replicated up to `sp`,
+    and the bytes of q, the largest exchange."""
+    n, k, d = _heads(c)
+    q = e * t * n * d
+    return q, 2 * e * t * max(0, sp - k) * d, q
+
+
+def _tiled_mlp_savings(c, t: int, tile: int, e: int) -> tuple[int, int, int]:
+    """A tiled MLP against an untiled one: bytes no longer saved per layer, no longer kept by selective
+    checkpointing (none: its policy keeps the tiles' matmul outputs, no_grad or not; measured), and
+    one tile's recompute at the peak."""
+    if c.model_type == "gpt2":
+        i = c.n_inner or 4 * c.n_embd
+        saved = (_GELU_SAVED.get(c.activation_function, 4) + 1) * e * t * i
+        return saved, 0, (_GELU_SAVED.get(c.activation_function, 4) + 1) * 2 * e * tile * i
+    i = c.intermediate_size
+    return 4 * e * t * i, 0, 8 * e * tile * i
 
 
 def _hidden(c) -> int:

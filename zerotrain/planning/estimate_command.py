@@ -37,6 +37,7 @@ def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="samples per GPU per forward (default: a train YAML's training.micro_batch_size, else 1)")
     pa.add_workload_args(parser)
     pa.add_memory_args(parser)
+    pa.add_max_seq_len_flag(parser)
     parser.add_argument(
         "--additional-buffer-factor", type=float, default=1.5, metavar="F",
         help="DeepSpeed's safety factor on CPU memory, for --deepspeed-format (default 1.5)",
@@ -75,7 +76,10 @@ def run_estimate(args: argparse.Namespace) -> int:
             print(format_zero2_table(total, *hw), end="")
             print(format_zero3_table(total, largest, *hw), end="")
             return 0
-        report = estimate_report(args, model, base, total, largest, ranks_from_train)
+        if args.max_seq_len:
+            report = _longest_report(args, model, base, total, ranks_from_train)
+        else:
+            report = estimate_report(args, model, base, total, largest, ranks_from_train)
     except (ConfigError, DataError, ValueError) as error:
         print_user_error("zerotrain estimate", error)
         return USAGE_EXIT_CODE
@@ -98,7 +102,7 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     train = pa.train_yaml(args)
     micro = args.micro_batch or (train.training.micro_batch_size if train is not None else 1)
     workload = Workload(pa.seq_len(args, model), micro, pa.compute_dtype(args, base), args.attention,
-                        pa.loss_chunk_tokens(args))
+                        pa.loss_chunk_tokens(args), pa.long_sequence(args, base))
     rows = [estimate_rung(model, rung, workload, hardware, base)
             for rung in ladder(allow_nvme=True, checkpointing=args.gradient_checkpointing)]
     assumed = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))
@@ -113,7 +117,10 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
         "hardware": {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_memory": args.gpu_memory,
                      "cpu_memory": args.cpu_memory, "nvme": args.nvme},
         "workload": {"seq_len": workload.seq_len, "micro_batch": workload.micro_batch, "dtype": workload.dtype,
-                     "attention": workload.attention},
+                     "attention": workload.attention, "loss_chunk_tokens": workload.loss_chunk_tokens,
+                     "sequence_parallel_size": workload.long_sequence.sequence_parallel,
+                     "tiled_mlp": workload.long_sequence.tiled_mlp,
+                     "offload_activations": workload.long_sequence.offload_activations},
         "assumed": notes,
         "rungs": [row.as_dict() for row in rows],
         "deepspeed": {
@@ -124,3 +131,21 @@ def estimate_report(args: argparse.Namespace, model, base: dict | None, total: i
     }
     return {"text": text, "json": data}
 
+
+
+def _longest_report(args: argparse.Namespace, model, base: dict | None, total: int,
+                    ranks_from_train: bool) -> dict[str, Any]:
+    """--max-seq-len: the longest sequence on these GPUs, as `plan --max-seq-len` answers it."""
+    from zerotrain.planning import planning_args as pa
+    from zerotrain.planning.longest_sequence_report import describe_hardware, longest_sequence_report
+    from zerotrain.planning.rung_memory import Workload
+
+    hardware = pa.hardware(args.gpus_per_node, args.nodes, args)
+    workload = Workload(0, 1, pa.compute_dtype(args, base), args.attention, pa.loss_chunk_tokens(args),
+                        pa.long_sequence(args, base))
+    report = longest_sequence_report(model, hardware, workload, base, args.gradient_checkpointing)
+    notes = [line for line in (pa.assumed_line(pa.assumed_from_train(args, base, ranks_from_train)),
+                               pa.decimal_gpu_memory_note(args.gpu_memory)) if line]
+    text = "".join(f"{line}\n" for line in notes) + describe_hardware(args.model, total, hardware, workload)
+    text += report["text"]
+    return {"text": text, "json": {"assumed": notes, **report["json"]}}

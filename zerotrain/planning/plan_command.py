@@ -36,6 +36,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                         "accumulation x GPUs)")
     pa.add_workload_args(parser)
     pa.add_memory_args(parser)
+    pa.add_max_seq_len_flag(parser)
     from zerotrain.planning.speed_args import add_speed_args
 
     add_speed_args(parser)
@@ -113,9 +114,12 @@ def run_plan(args: argparse.Namespace) -> int:
     from zerotrain.planning import planning_args as pa
     from zerotrain.planning.model_source import count_parameters
     from zerotrain.planning.plan_report import describe_setup, format_plan, plan_json, train_yaml_section
+    from zerotrain.planning.activation_memory import LongSequence
     from zerotrain.planning.planner import make_plan
     from zerotrain.train.data import DataError
 
+    if args.max_seq_len:
+        return _run_max_seq_len(args)
     try:
         gpus_from = _resolve_gpu_count(args)
         batch_from = _global_batch(args)
@@ -137,6 +141,10 @@ def run_plan(args: argparse.Namespace) -> int:
         rates, assumed_speed = rates_from_args(args, per_node)
         if args.plot and not args.scale:
             raise ValueError("--plot draws the --scale curves: give --scale too, e.g. --scale 8,64,512")
+        if pa.long_sequence(args, base) != LongSequence():
+            raise ValueError("--sequence-parallel, --tiled-mlp and --offload-activations are planned with "
+                             "--max-seq-len (the longest sequence they reach); `zerotrain estimate` counts them "
+                             "at a given --seq-len")
         plan = make_plan(model, hardware, pa.seq_len(args, model), args.global_batch, pa.compute_dtype(args, base),
                          args.attention, base, args.gradient_checkpointing, rates=rates,
                          loss_chunk_tokens=pa.loss_chunk_tokens(args))
@@ -185,6 +193,52 @@ def run_plan(args: argparse.Namespace) -> int:
             plot_scale(curves, args.plot)
             print(f"plot: {args.plot}")
     return 0 if plan.choice else 1
+
+
+def _run_max_seq_len(args: argparse.Namespace) -> int:
+    """`plan --max-seq-len`: the longest sequence on these GPUs, the switches that go longer, and the
+    config that runs it; 0 when something fits, 1 when nothing does, 2 for a wrong MODEL or flag."""
+    from zerotrain.config.errors import ConfigError
+    from zerotrain.config.error_report import USAGE_EXIT_CODE, print_user_error
+    from zerotrain.planning import planning_args as pa
+    from zerotrain.planning.longest_sequence_report import describe_hardware, longest_sequence_report
+    from zerotrain.planning.model_source import count_parameters
+    from zerotrain.planning.rung_memory import Workload
+    from zerotrain.train.data import DataError
+
+    try:
+        gpus_from = _resolve_gpu_count(args)
+        per_node = args.gpus_per_node or min(args.gpus, 8)
+        if args.gpus % per_node:
+            raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {per_node}")
+        if args.gpu_memory is None:
+            raise ValueError("--gpu-memory is required: the longest sequence is what fits it, e.g. --gpu-memory 80GiB")
+        assumed_cpu = args.cpu_memory is None and pa.this_machine_memory()
+        if assumed_cpu:  # offloaded activations are checked against host memory: never unchecked
+            args.cpu_memory = assumed_cpu
+        model = pa.load_model(args)
+        base = pa.base_config(args)
+        hardware = pa.hardware(per_node, args.gpus // per_node, args)
+        workload = Workload(0, 1, pa.compute_dtype(args, base), args.attention, pa.loss_chunk_tokens(args),
+                            pa.long_sequence(args, base))
+        report = longest_sequence_report(model, hardware, workload, base, args.gradient_checkpointing)
+        assumed = _assumed_lines(args, base, gpus_from, None)
+    except (ConfigError, DataError, ValueError) as error:
+        print_user_error("zerotrain plan", error)
+        return USAGE_EXIT_CODE
+    if args.json:
+        print(json.dumps({"assumed": assumed, **report["json"]}, indent=2))
+        return 0 if report["ok"] else 1
+    from zerotrain.config.byte_sizes import format_bytes
+
+    total, _ = count_parameters(model)
+    for line in assumed:
+        print(line)
+    if assumed_cpu:
+        print(f"CPU memory per node: {format_bytes(assumed_cpu)}, this machine's (no --cpu-memory given; "
+              "set it to plan for other nodes)")
+    print(describe_hardware(args.model, total, hardware, workload) + report["text"], end="")
+    return 0 if report["ok"] else 1
 
 
 def _assumed_lines(args: argparse.Namespace, base: dict | None, gpus_from: str | None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import yaml
@@ -32,11 +33,28 @@ def describe_setup(source: str, total_params: int, hardware: Hardware, workload:
     gpus = hardware.gpus_per_node
     mem = f" x {format_bytes(hardware.gpu_memory)}" if hardware.gpu_memory else ""
     cpu = f", {format_bytes(hardware.cpu_memory)} CPU per node" if hardware.cpu_memory else ""
+    switches = describe_switches(replace(workload, loss_chunk_tokens=None))  # the long-sequence ones, said as before
     return (
         f"{source}: {total_params:,} parameters\n" + (f"{assumed}\n" if assumed else "") +
         f"{hardware.nodes} node{'s' if hardware.nodes > 1 else ''} x {gpus} GPU{'s' if gpus > 1 else ''}{mem}{cpu}; "
-        f"seq {workload.seq_len}, micro-batch {workload.micro_batch}, {workload.dtype}, {workload.attention} attention\n"
+        f"seq {workload.seq_len}, micro-batch {workload.micro_batch}, {workload.dtype}, {workload.attention} attention"
+        + ("" if switches == "none" else f"; {switches}") + "\n"
     )
+
+
+def describe_switches(work: Workload) -> str:
+    """The long-sequence switches of `work` in words ("none" when all are off)."""
+    ls = work.long_sequence
+    parts = []
+    if ls.sequence_parallel > 1:
+        parts.append(f"sequence parallel {ls.sequence_parallel}")
+    if ls.tiled_mlp:
+        parts.append("tiled MLP" + ("" if ls.tiled_mlp is True else f" ({ls.tiled_mlp:,} tokens per tile)"))
+    if ls.offload_activations:
+        parts.append("activations offloaded")
+    if work.loss_chunk_tokens:
+        parts.append(f"chunked loss ({work.loss_chunk_tokens:,} tokens)")
+    return ", ".join(parts) or "none"
 
 
 def format_rung_table(rows: list[RungEstimate], hardware: Hardware, wide: bool = False) -> str:

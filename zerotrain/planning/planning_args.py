@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from zerotrain.config.byte_sizes import parse_byte_size
 
 if TYPE_CHECKING:  # rung_memory imports torch: the parsers are built without it (`zerotrain --help`)
+    from zerotrain.planning.activation_memory import LongSequence
     from zerotrain.planning.rung_memory import Hardware
 
 DEFAULT_SEQ_LEN = 2048
@@ -46,9 +47,27 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-chunk-tokens", type=positive_int, default=None, metavar="N",
                         help="zerotrain train's chunked loss: the LM head and loss N tokens at a time, so the "
                         "full fp32 logits never exist (default: a train YAML's training.loss_chunk_tokens, else off)")
+    parser.add_argument("--sequence-parallel", type=positive_int, default=None, metavar="N",
+                        help="Ulysses sequence parallelism: N ranks share each sequence, each holding 1/N of it "
+                        "(DeepSpeed's sequence_parallel_size; default: a train YAML's, else 1)")
+    parser.add_argument("--tiled-mlp", nargs="?", const=True, default=None, type=positive_int, metavar="TOKENS",
+                        help="the MLP run a tile of tokens at a time, recomputed in backward (training.tiled_mlp); "
+                        "alone: DeepSpeed's tiles as long as the model is wide; TOKENS: tokens per tile "
+                        "(default: a train YAML's, else off)")
+    parser.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=None,
+                        help="checkpointed layers' inputs kept in CPU memory until their recompute "
+                        "(training.offload_activations; only rungs with checkpointing; default: a train YAML's, else off)")
     parser.add_argument("--deepspeed", metavar="DS_CONFIG", default=None,
                         help="a DeepSpeed config whose optimizer, bucket sizes and stage-3 limits apply "
                         "(its stage and offload are what the rungs vary)")
+
+
+def add_max_seq_len_flag(parser: argparse.ArgumentParser) -> None:
+    """`--max-seq-len`, shared by estimate and plan (longest_sequence_report.py answers it)."""
+    parser.add_argument("--max-seq-len", action="store_true",
+                        help="answer the longest sequence (micro-batch 1) this model trains on these GPUs with "
+                        "the long-sequence switches given (--sequence-parallel, --tiled-mlp, --offload-activations, "
+                        "--loss-chunk-tokens), what to switch on to go longer, and the train YAML that runs it")
 
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +179,23 @@ def loss_chunk_tokens(args: argparse.Namespace) -> int | None:
         return args.loss_chunk_tokens
     cfg = train_yaml(args)
     return cfg.training.loss_chunk_tokens if cfg is not None else None
+
+
+def long_sequence(args: argparse.Namespace, base: dict[str, Any] | None = None) -> LongSequence:
+    """--sequence-parallel, --tiled-mlp, --offload-activations, each else a train YAML's setting (training.*,
+    or its DeepSpeed section's sequence_parallel_size), else the --deepspeed config's sequence_parallel_size, else off."""
+    from zerotrain.planning.activation_memory import LongSequence
+
+    cfg = train_yaml(args)
+    training = cfg.training if cfg is not None else None
+    zero = cfg.zero_dict() if cfg is not None else (base or {})
+    sp = args.sequence_parallel or getattr(training, "sequence_parallel_size", None) \
+        or zero.get("sequence_parallel_size") or 1
+    tiled = args.tiled_mlp if args.tiled_mlp is not None else getattr(training, "tiled_mlp", False)
+    offload = args.offload_activations
+    if offload is None:
+        offload = bool(getattr(training, "offload_activations", False))
+    return LongSequence(int(sp), tiled, offload)
 
 
 def hardware(gpus_per_node: int, nodes: int, args: argparse.Namespace) -> Hardware:

@@ -20,8 +20,10 @@ from torch import nn
 
 from zerotrain.config import load_config, resolve_config
 from zerotrain.config.byte_sizes import format_bytes
+from zerotrain.planning.activation_memory import LongSequence
 from zerotrain.planning.ladder import Rung
 from zerotrain.planning.model_states import bucket_layouts, model_states_per_rank
+from zerotrain.planning.pinned_memory import pinned_bytes
 from zerotrain.zero.optimizer import sub_group_counts
 from zerotrain.zero.stage import StagePlan
 
@@ -57,6 +59,9 @@ class Workload:
     loss_chunk_tokens: int | None = None
     """zerotrain train's training.loss_chunk_tokens: the LM head and loss this many tokens at a time
     (one chunk's logits at most); None: the model's own loss, all logits at once."""
+    long_sequence: LongSequence = LongSequence()
+    """Sequence parallelism, tiled MLP, offloaded activations (training.sequence_parallel_size,
+    tiled_mlp, offload_activations); `micro_batch` then counts samples per sequence-parallel group."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,8 @@ def rung_config(rung: Rung, workload: Workload, base_config: dict | None = None,
     if workload.dtype in ("bf16", "fp16"):
         cfg[workload.dtype] = {"enabled": True}
     cfg["train_micro_batch_size_per_gpu"] = workload.micro_batch
+    if workload.long_sequence.sequence_parallel > 1:
+        cfg["sequence_parallel_size"] = workload.long_sequence.sequence_parallel
     cfg.setdefault("gradient_accumulation_steps", 1)
     for key in ("train_batch_size", "gradient_accumulation_steps"):
         if cfg.get(key) == "auto":
@@ -229,9 +236,13 @@ def estimate_rung(
     gpu["gradient buckets"] = _gradient_bucket_bytes(buckets, rung.stage, low)
     gpu["gathered units"] = _gathered_unit_bytes(buckets, zero, low) if rung.stage == 3 else 0
     act = estimate_activations(model.config, workload.seq_len, workload.micro_batch,
-                               DTYPES[workload.dtype], workload.attention, loss_chunk_tokens=workload.loss_chunk_tokens)
+                               DTYPES[workload.dtype], workload.attention, loss_chunk_tokens=workload.loss_chunk_tokens,
+                               long_sequence=workload.long_sequence)
     gpu["activations"] = act.total(rung.gradient_checkpointing) - act.logits_peak_bytes
     gpu["logits peak"] = act.logits_peak_bytes
+    offloaded = act.host(rung.gradient_checkpointing)
+    if offloaded:
+        host["cpu"]["offloaded activations"] = offloaded
 
     est = RungEstimate(
         rung, workload.micro_batch, gpu,
@@ -272,7 +283,7 @@ def _pinned_rounding_bytes(buckets, rung: Rung, zero, grads_off: bool, low: int)
     per bucket: each offloaded master shard (fp32), gradient shard and stage-3 parameter shard. A
     bucket of 486M elements pins 2 GiB for its 1.8 GiB master: 4.7 GiB in all for a 7B model."""
     def waste(nbytes: int) -> int:
-        return (1 << (nbytes - 1).bit_length()) - nbytes if nbytes > 0 else 0
+        return pinned_bytes(nbytes) - nbytes
 
     pinned: list[int] = []
     if rung.offload_optimizer == "cpu":

@@ -43,7 +43,9 @@ def enable_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
 
     The same call (`model(input_ids=..., labels=...)`) and the same loss as the model's own (the
     mean cross-entropy of each token's next-token prediction, -100 labels left out); `logits` is
-    None when `labels` are given. Parameter names and checkpoints are unchanged.
+    None when `labels` are given. As in transformers' loss, `shift_labels=` gives targets already
+    shifted (a sequence-parallel slice's) and `num_items_in_batch=` the divisor of the summed loss.
+    Parameter names and checkpoints are unchanged.
     """
     check_chunked_loss(getattr(model.config, "model_type", None))
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -52,13 +54,15 @@ def enable_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
     own_forward = model.forward
     setattr(model, CROSS_ENTROPY_ATTR, chunk_cross_entropy)
 
-    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs: Any):
-        if labels is None:  # generation, evaluation without labels: the model's own forward
+    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None, num_items_in_batch: Any = None, **kwargs: Any):
+        if labels is None and shift_labels is None:  # generation, evaluation without labels: the model's own
             return own_forward(input_ids=input_ids, **kwargs)
         kwargs.setdefault("use_cache", False)
         hidden = base(input_ids=input_ids, **kwargs).last_hidden_state
         cross_entropy = getattr(model, CROSS_ENTROPY_ATTR)
-        return CausalLMOutputWithPast(loss=chunked_causal_lm_loss(hidden, labels, head, chunk_tokens, cross_entropy))
+        loss = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens, cross_entropy, shift_labels, num_items_in_batch)
+        return CausalLMOutputWithPast(loss=loss)
 
     model.forward = forward
 
@@ -73,19 +77,27 @@ def compile_chunked_loss(model: nn.Module, compiler: Callable[[Callable], Callab
     return False
 
 
-def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, chunk: int,
-                           cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                           ) -> torch.Tensor:
+def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor | None, head: nn.Module, chunk: int,
+                           cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                           shift_labels: torch.Tensor | None = None, num_items_in_batch: Any = None) -> torch.Tensor:
     """Mean next-token cross-entropy of `head(hidden)` against `labels` (shifted by one, as the
-    models shift them), `chunk` tokens of the flattened batch at a time; `cross_entropy(logits,
-    targets)` sums a chunk's (default `chunk_cross_entropy`)."""
+    models shift them) or `shift_labels` (already shifted: every position has its target),
+    `chunk` tokens of the flattened batch at a time; `cross_entropy(logits, targets)` sums a
+    chunk's (default `chunk_cross_entropy`). `num_items_in_batch`: divide the sum by this instead
+    of the count of targets (1: the sum)."""
     cross_entropy = cross_entropy or chunk_cross_entropy
-    states = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    targets = labels[:, 1:].reshape(-1).to(hidden.device)
+    if shift_labels is None:
+        states, targets = hidden[:, :-1], labels[:, 1:]
+    else:
+        states, targets = hidden, shift_labels
+    states = states.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1).to(hidden.device)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), chunk):
         total = total + checkpoint(_chunk_loss, states[start : start + chunk], targets[start : start + chunk], head,
                                    cross_entropy, use_reentrant=False)
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
     return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 

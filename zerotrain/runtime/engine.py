@@ -151,10 +151,16 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
 
     def _optimizer_factory(self, client_optimizer):
         if client_optimizer is not None:
-            # Rebuild the user's optimizer over the master shards, same class and hyper-parameters.
+            # Rebuild the user's optimizer over the master shards, same class and hyper-parameters; the
+            # user's object shares its groups, as DeepSpeed steps that object: a scheduler left on it sets the LR.
             cls = type(client_optimizer)
-            defaults = _constructor_kwargs(cls, client_optimizer.defaults)
-            return lambda groups: cls(groups, **defaults)
+
+            def rebuild(groups: list[dict]) -> torch.optim.Optimizer:
+                inner = cls(groups, **_constructor_kwargs(cls, client_optimizer.defaults))
+                client_optimizer.param_groups = inner.param_groups
+                return inner
+
+            return rebuild
         opt = self.parsed_config.optimizer
         if opt is None:
             # As DeepSpeed, an engine without an optimizer serves forward passes only (the HF
@@ -198,7 +204,7 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
         with self.timers.measure("forward"):
             fault_point("forward")
             if self.sequence_groups is not None:
-                require_global_positions(kwargs)
+                require_global_positions(self.module, kwargs)
             out = self.module(*args, **kwargs)
         if profiler is not None:
             profiler.after_forward()

@@ -61,11 +61,13 @@ class _LocalHeads:
 class UlyssesAttention:
     """A transformers attention function: `core` (e.g. `sdpa_attention_forward`) run on head shards.
 
-    `group` is the sequence-parallel process group.
+    `group` is the sequence-parallel process group. `disable_in_eval`: in a module's eval mode, run
+    `core` directly on the batch as given (DeepSpeed's flag: the Trainer evaluates unsplit batches).
     """
 
-    def __init__(self, core: Callable, core_name: str, group) -> None:
+    def __init__(self, core: Callable, core_name: str, group, disable_in_eval: bool = False) -> None:
         self.core, self.core_name, self.group = core, core_name, group
+        self.disable_in_eval = disable_in_eval
         self.size = dist.get_world_size(group)
         # One forward passes the same position_ids tensor to every layer: gather and mask once.
         self._positions_seen: torch.Tensor | None = None
@@ -73,6 +75,8 @@ class UlyssesAttention:
         self._positions: torch.Tensor | None = None
 
     def __call__(self, module: nn.Module, query, key, value, attention_mask, *args, **kwargs):
+        if self.disable_in_eval and not module.training:
+            return self.core(module, query, key, value, attention_mask, *args, **kwargs)
         heads, kv_heads = query.shape[1], key.shape[1]
         check_head_split(heads, kv_heads, self.size)
         if kv_heads < self.size:  # each rank needs one KV head: replicate each one N/KV times
@@ -113,15 +117,15 @@ class UlyssesAttention:
         return mask
 
 
-def install_ulysses_attention(model: nn.Module, group) -> UlyssesAttention:
+def install_ulysses_attention(model: nn.Module, group, disable_in_eval: bool = False) -> UlyssesAttention:
     """Makes `model`'s attention implementation run sequence-parallel over `group`.
 
     `model` is a transformers model (its `config._attn_implementation` names the core kernel).
     Checks the head counts now, so a model that cannot split fails before training.
-    Reinstalling replaces the previous wrapper; `uninstall_ulysses_attention` restores the core.
+    A wrapper already installed over the same group is kept (the engine, given Accelerate's mpu,
+    finds the one `register_with_transformers` installed); one over another group is replaced.
+    `uninstall_ulysses_attention` restores the core.
     """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     config = getattr(model, "config", None)
     core_name = getattr(config, "_attn_implementation", None)
     if core_name is None:
@@ -129,6 +133,14 @@ def install_ulysses_attention(model: nn.Module, group) -> UlyssesAttention:
             f"sequence parallelism wraps a transformers model's attention, and {type(model).__name__} has no "
             "config._attn_implementation: pass a transformers model (attn_implementation='sdpa')"
         )
+    return install_for_config(config, core_name, group, disable_in_eval)
+
+
+def install_for_config(config: Any, core_name: str, group, disable_in_eval: bool = False) -> UlyssesAttention:
+    """`install_ulysses_attention` from a transformers config and the name of the core kernel to wrap
+    (DeepSpeed's `register_with_transformers` works before the model exists)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     if core_name in REFUSED_CORES:
         raise SequenceParallelError(
             f"attn_implementation {core_name!r} cannot run sequence-parallel: {REFUSED_CORES[core_name]}. "
@@ -137,15 +149,27 @@ def install_ulysses_attention(model: nn.Module, group) -> UlyssesAttention:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     check_head_split(heads, getattr(text, "num_key_value_heads", None) or heads, dist.get_world_size(group))
+    installed = ALL_ATTENTION_FUNCTIONS[core_name] if core_name in ALL_ATTENTION_FUNCTIONS else None
+    if isinstance(installed, UlyssesAttention) and installed.group is group:
+        return installed
     uninstall_ulysses_attention(core_name)
     if core_name not in ALL_ATTENTION_FUNCTIONS:
         raise SequenceParallelError(
             f"attn_implementation {core_name!r} is not one transformers knows: use one of "
             f"{sorted(ALL_ATTENTION_FUNCTIONS.valid_keys())}"
         )
-    wrapper = UlyssesAttention(ALL_ATTENTION_FUNCTIONS[core_name], core_name, group)
+    wrapper = UlyssesAttention(ALL_ATTENTION_FUNCTIONS[core_name], core_name, group, disable_in_eval)
     ALL_ATTENTION_FUNCTIONS[core_name] = wrapper
     return wrapper
+
+
+def runs_unsplit_in_eval(model: nn.Module) -> bool:
+    """Whether `model`'s attention is a Ulysses wrapper that runs eval-mode forwards unsplit."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    core_name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    installed = ALL_ATTENTION_FUNCTIONS[core_name] if core_name in ALL_ATTENTION_FUNCTIONS else None
+    return isinstance(installed, UlyssesAttention) and installed.disable_in_eval
 
 
 def uninstall_ulysses_attention(core_name: str = "sdpa") -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from zerotrain.sequence.attention import SequenceParallelError, install_ulysses_attention
+from zerotrain.sequence.attention import SequenceParallelError, install_ulysses_attention, runs_unsplit_in_eval
 from zerotrain.sequence.groups import SequenceParallelGroups, initialize_sequence_parallel
 
 
@@ -17,12 +17,15 @@ def enable_sequence_parallel(model: nn.Module, sequence_parallel_size: int) -> S
     return groups
 
 
-def require_global_positions(forward_kwargs: dict) -> None:
+def require_global_positions(model: nn.Module, forward_kwargs: dict) -> None:
     """Refuses a sequence-parallel forward without `position_ids`: the model would number each
     rank's slice from 0, which the gathered positions would read as packed documents (silently
-    wrong attention and rotary embeddings)."""
-    if "position_ids" not in forward_kwargs:
-        raise SequenceParallelError(
-            "with sequence_parallel_size > 1 every forward needs position_ids=, the global positions of this "
-            "rank's slice of the sequence: feed the batch through zerotrain.sequence.shard_batch (it adds them)"
-        )
+    wrong attention and rotary embeddings). An eval-mode forward passes when the attention was
+    installed with `disable_in_eval` (DeepSpeed's flag): it then runs unsplit, on the batch as given."""
+    if "position_ids" in forward_kwargs or (not model.training and runs_unsplit_in_eval(model)):
+        return
+    raise SequenceParallelError(
+        "with sequence_parallel_size > 1 every forward needs position_ids=, the global positions of this "
+        "rank's slice of the sequence: feed the batch through zerotrain.sequence.shard_batch (it adds them); "
+        "to evaluate on whole sequences, register the attention with disable_in_eval=True and call eval()"
+    )

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from zerotrain.comm.teardown import OwnedGroup, own_group
 from zerotrain.config.auto import sequence_groups_count
+from zerotrain.sequence.gloo_all_to_all_fix import fix_gloo_all_to_all
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> SequenceParalle
             group = dist.new_group(members) if len(members) > 1 else None
             data = group if rank % n == position else data
         _built[n] = SequenceParallelGroups(n, rank % n, world // n, rank // n, own_group(sequence), own_group(data))
+        if n > 1 and dist.get_backend() == dist.Backend.GLOO:
+            fix_gloo_all_to_all()  # the Ulysses loss's autograd all_gather backward, on groups without rank 0
     _current = _built[sequence_parallel_size]
     return _current
 

@@ -43,15 +43,26 @@ def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
     return _SumOverGroup.apply(x, group)
 
 
-def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.Tensor:
-    """Cross-entropy of this rank's `logits` [batch, seq/N, vocab] against `shift_labels`
-    [batch, seq/N] (from `shard_batch`), as the token-weighted mean over the whole sequence of
-    the group. Logits are upcast to fp32 as transformers' causal-LM loss does."""
+def slice_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's summed cross-entropy (fp32, as transformers' causal-LM loss upcasts) of `logits`
+    [batch, seq/N, vocab] against `shift_labels` [batch, seq/N], and its count of targets."""
     targets = shift_labels.to(logits.device)
     total = torch.nn.functional.cross_entropy(
         logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    count = (targets != IGNORE_INDEX).sum().to(total.dtype)
+    return total, (targets != IGNORE_INDEX).sum()
+
+
+def group_token_mean(total: torch.Tensor, count: torch.Tensor, group) -> torch.Tensor:
+    """sum_r S_r / sum_r C_r over the ranks of `group`, from this rank's summed loss `total` (S_r)
+    and target `count` (C_r): the group's loss, with sp = 1's gradient scale (module docstring)."""
     # One collective for both: the count rides along (its gradient is unused).
-    summed = sum_over_group(torch.stack([total, count]), group)
+    summed = sum_over_group(torch.stack([total, count.to(total.dtype)]), group)
     return summed[0] / summed[1].clamp(min=1)
+
+
+def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.Tensor:
+    """Cross-entropy of this rank's `logits` [batch, seq/N, vocab] against `shift_labels`
+    [batch, seq/N] (from `shard_batch`), as the token-weighted mean over the whole sequence of
+    the group. Logits are upcast to fp32 as transformers' causal-LM loss does."""
+    return group_token_mean(*slice_cross_entropy(logits, shift_labels), group)

@@ -153,6 +153,7 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
         from zerotrain.train.run_folder import require_checkpoint_to_resume
         from zerotrain.train.rank_run import run_in_this_process
         from zerotrain.train.step_prediction import write_prediction
+        from zerotrain.train.sequence_split import check_sequence_split
         from zerotrain.train.zero_fill import check_batch_at_world, wants_activation_offload
         cfg = load_train_config(config, overrides)
         check_sink_packages(cfg.logging)  # a missing wandb/tensorboard fails now, before any process starts
@@ -176,9 +177,11 @@ def main_train(argv: Sequence[str], predict=None, rank_module: str = "zerotrain.
             check_deepspeed_start(cfg, point, config)
         prediction = None
         if not under_launcher and not set(flags["launch"]) - RENDEZVOUS_FLAGS:
+            check_sequence_split(cfg, _local_processes(flags))  # N divides the ranks, seq_len, heads
             check_batch_at_world(cfg, _local_processes(flags))  # multi-node: the nodes' ranks check it
-            if _local_processes(flags) > 1:  # one process: the trainer here checks it before training, as well
-                check_data_fits(cfg, _local_processes(flags))
+            groups = _local_processes(flags) // cfg.training.sequence_parallel_size  # the ways data is split
+            if groups > 1:  # one: the trainer here checks it before training, as well
+                check_data_fits(cfg, groups)
             if predict is not None and not flags["detach"]:  # a detached run predicts in its own process
                 prediction = predict(cfg, _local_processes(flags), _local_processes(flags))
         elif predict is not None and under_launcher and os.environ.get("RANK") == "0":

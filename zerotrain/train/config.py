@@ -32,6 +32,7 @@ from zerotrain.config.loader import read_config_file
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.schema_types import ConfigSection, NonNegativeFloat, NonNegativeInt, PositiveInt, config_problem
 from zerotrain.system.durable_files import atomic_write_text
+from zerotrain.train.config_paths import absolute_paths
 from zerotrain.train.zero_section import validate_zero_section, zero_section_problems
 
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default_config.yaml")
@@ -160,6 +161,10 @@ class TrainingSection(ConfigSection):
     offload_activations: bool = False
     """Keep each checkpointed layer's input in CPU memory until its recompute (pinned, asynchronous
     on a GPU); needs gradient_checkpointing. The DeepSpeed section's activation_checkpointing.cpu_checkpointing."""
+    sequence_parallel_size: PositiveInt = 1
+    """Ulysses sequence parallelism: this many consecutive ranks share each sequence, each holding 1/N
+    of it, for sequences too long for one GPU. N divides the process count, data.seq_len and the
+    attention heads; batch sizes count sequence groups (processes / N). The DeepSpeed section's key."""
     compile: bool = False
     """torch.compile (inductor) each decoder layer and the loss, ZeRO's hooks outside the graph: the
     DeepSpeed section's compile.enabled (its compile.backend and compile.kwargs apply)."""
@@ -343,30 +348,6 @@ class TrainConfig(ConfigSection):
         # Ranks may read the file while rank 0 rewrites it: replace it atomically.
         atomic_write_text(target, text)
         return target
-
-
-# Every key of a train config that holds a path, and the values of each that are not paths.
-PATH_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("model", "path"): (), ("model", "config"): (), ("model", "tokenizer"): ("byte",),
-    ("data", "path"): (), ("data", "eval_path"): (), ("data", "cache_dir"): (),
-    ("training", "resume"): ("auto", "never"), ("logging", "tensorboard", "dir"): (), ("output", "dir"): (),
-    ("logging", "compute_probe"): (), ("logging", "comm_probe"): (),
-    ("zero", "zero_optimization", "offload_optimizer", "nvme_path"): (),
-    ("zero", "zero_optimization", "offload_param", "nvme_path"): (),
-}
-
-
-def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
-    """`data` (a config as plain data) with every relative path made absolute from this folder."""
-    data = copy.deepcopy(data)
-    for keys, not_paths in PATH_KEYS.items():
-        holder = data
-        for key in keys[:-1]:
-            holder = holder.get(key) if isinstance(holder, dict) else None
-        value = holder.get(keys[-1]) if isinstance(holder, dict) else None
-        if isinstance(value, str) and value and value not in not_paths:
-            holder[keys[-1]] = os.path.abspath(os.path.expanduser(value))
-    return data
 
 
 # --------------------------------------------------------------------------- #

@@ -1,7 +1,7 @@
 """The memory options a `zerotrain train` run trains with, as one of its opening lines.
 
-Activation checkpointing, the chunked loss and offload change what a step keeps in memory (and
-costs in time); they are set in three places (two `training` keys and the DeepSpeed section), so
+Activation checkpointing, the chunked loss, offload and sequence parallelism change what a step
+keeps in memory (and costs in time); they are set in three places (two `training` keys and the DeepSpeed section), so
 the run says at its start which are on rather than leaving it to config.yaml.
 """
 
@@ -13,10 +13,11 @@ CHECKPOINTING_MODES = {False: "none", True: "full", "selective": "selective"}
 
 
 def describe_memory_options(checkpointing: bool | str, loss_chunk_tokens: int | None, zero_optimization: Any,
-                            tiled_mlp: bool | int = False, offload_activations: bool = False) -> str:
+                            tiled_mlp: bool | int = False, offload_activations: bool = False,
+                            sequence_parallel_size: int = 1) -> str:
     """One line naming activation checkpointing's mode (none / full / selective), the chunked loss's
     chunk (or off) and where optimizer state and parameters are offloaded (none / cpu / nvme), each
-    with the key that sets it, then the tiled MLP and activation offload when on.
+    with the key that sets it, then the tiled MLP, activation offload and sequence parallelism when on.
     `zero_optimization`: the engine's parsed zero_optimization section."""
     mode = CHECKPOINTING_MODES.get(checkpointing, str(checkpointing))
     chunk = f"{loss_chunk_tokens:,} tokens per chunk" if loss_chunk_tokens else "off"
@@ -33,6 +34,9 @@ def describe_memory_options(checkpointing: bool | str, loss_chunk_tokens: int | 
         line += f"; tiled MLP, {tiles} (training.tiled_mlp)"
     if offload_activations:
         line += "; checkpointed layers' inputs offloaded to cpu (training.offload_activations)"
+    if sequence_parallel_size > 1:
+        line += (f"; sequence parallel over {sequence_parallel_size} ranks, 1/{sequence_parallel_size} of each "
+                 "sequence per rank (training.sequence_parallel_size)")
     return line
 
 

@@ -31,6 +31,7 @@ from zerotrain.profiling.device_peaks import peak_tflops
 from zerotrain.runtime.activation_checkpointing import enable_gradient_checkpointing
 from zerotrain.runtime.chunked_loss import enable_chunked_loss
 from zerotrain.runtime.compile import eager_for_counting
+from zerotrain.train.evaluation import held_out_loss
 from zerotrain.train.metrics import MetricsLog, describe_memory, gather_memory
 from zerotrain.train.model import build_model, decay_groups, max_positions
 from zerotrain.train.progress import TrainingProgress
@@ -83,11 +84,16 @@ class Trainer:
         if self.offload_activations:  # after checkpointing: it offloads the checkpointed layers' inputs
             from zerotrain.runtime.activation_offload import enable_activation_offload
             enable_activation_offload(self.model)
-        self.data = build_data(
-            cfg.data, self.tokenizer, max_positions=max_positions(self.model), rank=self.rank, world_size=self.world,
-            evaluate=cfg.training.eval_interval > 0,
-        )
         t = cfg.training
+        self.split = None  # sequence parallelism: a group's ranks read the same samples, each its slice
+        if t.sequence_parallel_size > 1:
+            from zerotrain.train.sequence_split import SequenceSplit, check_sequence_split
+            check_sequence_split(cfg, self.world)  # before launch too; here for ranks started elsewhere
+            self.split = SequenceSplit.start(t.sequence_parallel_size, bool(t.loss_chunk_tokens))
+        self.data = build_data(
+            cfg.data, self.tokenizer, max_positions=max_positions(self.model), evaluate=t.eval_interval > 0,
+            **({"rank": self.split.data_rank, "world_size": self.split.data_world} if self.split else
+               {"rank": self.rank, "world_size": self.world}))
         self.batches = self.data.train_batches(t.micro_batch_size, seed=cfg.data.seed)
         micro_per_epoch = len(self.batches)
         steps_per_epoch = max(1, micro_per_epoch // t.gradient_accumulation_steps)
@@ -102,7 +108,8 @@ class Trainer:
         if self.rank == 0:
             for note in notes:
                 log.warning(note)
-        self.tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * self.world * cfg.data.seq_len
+        self.groups = self.world // t.sequence_parallel_size  # each sample's tokens counted once
+        self.tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * self.groups * cfg.data.seq_len
         self.state = RunState()
         self.last_save_step: int | None = None
         self.written_tags: list[str] = []  # tags output.keep_checkpoints may prune
@@ -152,11 +159,13 @@ class Trainer:
         # Said first: a model of the wrong size (a misread config) shows before any step is spent.
         unique = {id(p): p for p in self.engine.module.parameters()}.values()
         params = sum(getattr(p, "ds_numel", p.numel()) for p in unique)  # whole sizes at ZeRO-3
-        progress.note(f"model: {type(self.engine.module).__name__}, {params:,} parameters; {self.world} ranks, "
+        ranks = f"{self.world} ranks" + (f" (sequence parallel {t.sequence_parallel_size} x data parallel "
+                                         f"{self.groups})" if self.split else "")
+        progress.note(f"model: {type(self.engine.module).__name__}, {params:,} parameters; {ranks}, "
                       f"{self.tokens_per_step:,} tokens per step, {self.total_steps} steps")
         progress.note(describe_memory_options(self.checkpointing, t.loss_chunk_tokens,
                                               self.engine.parsed_config.zero_optimization, t.tiled_mlp,
-                                              self.offload_activations))
+                                              self.offload_activations, t.sequence_parallel_size))
         self.hang = HangWatch(t.hang_timeout, self.rank, self.world)
         if self.hang.enabled:
             progress.note(f"hang timeout: {t.hang_timeout:g} s without progress stops the job and names the ranks "
@@ -226,24 +235,28 @@ class Trainer:
             self.hang.at(self.state.step, "start")
             batch = next(self.batches)
             self.hang.at(self.state.step, "forward")
-            input_ids = batch["input_ids"].to(self.device, non_blocking=True)
-            labels = batch["labels"].to(self.device, non_blocking=True)
             if count_flops and micro == 0:
                 from torch.utils.flop_counter import FlopCounterMode
 
                 # Eager for this micro-batch (a compiled graph hides its FLOPs from the counter).
                 with eager_for_counting(), FlopCounterMode(display=False) as counter:
-                    loss = engine(input_ids=input_ids, labels=labels).loss
+                    loss = self._loss(batch)
                     engine.backward(loss)
                 self.flops_per_step = float(counter.get_total_flops()) * engine.gradient_accumulation_steps()
             else:
-                loss = engine(input_ids=input_ids, labels=labels).loss
+                loss = self._loss(batch)
                 self.hang.at(self.state.step, "backward")
                 engine.backward(loss)
             self.hang.at(self.state.step, "optimizer_step")
             engine.step()
             total += loss.detach().float()
         return total / engine.gradient_accumulation_steps()
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        if self.split is not None:  # this rank's slice; the loss is its group's whole-sequence mean
+            return self.split.train_loss(self.engine, batch, self.device)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        return self.engine(input_ids=batch["input_ids"].to(self.device, non_blocking=True), labels=labels).loss
 
     def _log_train(self, window: "StepWindow", start: float, progress: "TrainingProgress") -> float:
         loss = window.mean_loss(self.world)  # a collective: every rank
@@ -278,26 +291,13 @@ class Trainer:
 
     # --- evaluation ------------------------------------------------------------------------
 
-    @torch.no_grad()
     def _evaluate(self, start: float) -> dict:
         """Token-weighted loss and perplexity over the held-out split, across every rank."""
         batches = self.data.eval_batches(self.cfg.training.micro_batch_size, self.cfg.training.eval_batches)
         if batches is None:
             return {}
-        engine = self.engine
-        engine.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in batches:
-            self.hang.at(self.state.step, "start")  # evaluating is progress too
-            input_ids = batch["input_ids"].to(self.device)
-            labels = batch["labels"].to(self.device)
-            loss = engine(input_ids=input_ids, labels=labels).loss
-            tokens = (labels[:, 1:] != -100).sum()  # the model shifts labels by one
-            totals += torch.stack([loss.double() * tokens, tokens.double()])
-        engine.train()
-        if self.world > 1:
-            dist.all_reduce(totals)
-        eval_loss = float(totals[0] / totals[1].clamp(min=1))
+        eval_loss = held_out_loss(self.engine, batches, self.device, self.split,
+                                  lambda: self.hang.at(self.state.step, "start"))
         row = {"step": self.state.step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0)),
                "elapsed_s": self.state.train_seconds + time.perf_counter() - start}
         self.metrics.log_eval(row)
@@ -332,7 +332,8 @@ class Trainer:
 
     def _flops_shape(self) -> list:
         t = self.cfg.training
-        return [self.world, t.micro_batch_size, t.gradient_accumulation_steps, self.cfg.data.seq_len]
+        shape = [self.world, t.micro_batch_size, t.gradient_accumulation_steps, self.cfg.data.seq_len]
+        return shape + [t.sequence_parallel_size] if self.split else shape  # a rank's FLOPs shrink with N
 
     def _plan(self) -> dict:
         sched = self.engine.parsed_config.scheduler

@@ -8,6 +8,8 @@ out like "auto", so ``training`` is the one place to set these:
     train_micro_batch_size_per_gpu        micro_batch_size
     gradient_accumulation_steps           gradient_accumulation_steps
     train_batch_size                      micro_batch_size x gradient_accumulation_steps x world size
+                                          / sequence_parallel_size
+    sequence_parallel_size                sequence_parallel_size
     gradient_clipping                     grad_clip
     optimizer (when absent)               AdamW
     optimizer.params.lr/betas/eps/weight_decay   lr / betas / eps / weight_decay
@@ -91,6 +93,8 @@ def build_engine_config(
         notes.append("zero.activation_checkpointing: applied as the model's gradient checkpointing (every layer, "
                      "non-reentrant); its cpu_checkpointing as training.offload_activations, its partition and "
                      "contiguous options do not apply")
+    if t.sequence_parallel_size > 1:  # the engine builds the groups and wraps the attention
+        zero["sequence_parallel_size"] = t.sequence_parallel_size
     _add_optimizer(zero)
     _add_scheduler(zero, t, notes)
     _treat_absent_as_auto(zero)
@@ -207,7 +211,9 @@ def _auto_values(t: TrainingSection, world_size: int, precision: str, steps: int
     values: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world_size,
+        # N ranks of a sequence-parallel group train one sample: the batch counts groups.
+        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps
+        * (world_size // t.sequence_parallel_size),
         "gradient_clipping": t.grad_clip,
         "optimizer.params.lr": t.lr,
         "optimizer.params.betas": list(t.betas),

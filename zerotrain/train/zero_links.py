@@ -60,6 +60,7 @@ LINKS: tuple[Link, ...] = (
     ),
     # With max_steps unset the step count comes from epochs and the data: compared in build_engine_config.
     Link("scheduler.params.total_num_steps", "max_steps", user_keys=("max_steps", "epochs")),
+    Link("sequence_parallel_size", "sequence_parallel_size"),
 )
 
 
@@ -164,12 +165,15 @@ def _reconcile_schedule_type(
 
 def world_mismatches(zero: Mapping[str, Any], t: TrainingSection, world_size: int) -> list[str]:
     given = lookup(zero, "train_batch_size")
-    product = t.micro_batch_size * t.gradient_accumulation_steps * world_size
+    groups = world_size // t.sequence_parallel_size  # N ranks share each sample (sequence parallelism)
+    product = t.micro_batch_size * t.gradient_accumulation_steps * groups
     if given is ABSENT or given == AUTO or given is None or given == product:
         return []
+    width = f"world size {world_size}" if groups == world_size else (
+        f"sequence groups {groups} (world size {world_size} / training.sequence_parallel_size {t.sequence_parallel_size})")
     return [
         f"zero.train_batch_size = {render_value(given)} but training.micro_batch_size {t.micro_batch_size} × "
-        f"training.gradient_accumulation_steps {t.gradient_accumulation_steps} × world size {world_size} = {product}"
+        f"training.gradient_accumulation_steps {t.gradient_accumulation_steps} × {width} = {product}"
     ]
 
 
