@@ -9,6 +9,10 @@ torch's Gloo backward of the Trainer's differentiable all_gather failed until ze
 (zerotrain/sequence/gloo_all_to_all_fix.py). sp = 4 (the whole world, key/value heads replicated)
 is covered at the engine in tests/sequence/test_ulysses_parity.py; one launch pair here keeps CPU use low.
 
+A TRL SFTTrainer script (tests/fixtures/scripts/trl_ulysses_job.py) under `zerotrain run accelerate
+launch`, with an accelerate config for ZeRO-3 whose `parallelism_config` sets sp 2 x dp 2 (as TRL's
+ALST guide writes it), must equal its run without that section, to the same rtol.
+
 Accelerate's AutoTP path opens with the stand-in's version (>= 0.16.4): it must stop with zerotrain's
 refusal before anything trains.
 """
@@ -52,6 +56,48 @@ def test_trainer_with_accelerate_ulysses_sp2_dp2_trains_as_without(tmp_path):
     assert len(ulysses["losses"]) == len(reference["losses"]) == 2
     assert ulysses["losses"] == pytest.approx(reference["losses"], rel=RTOL)
     # clipping at 1.0 acts on this norm: DeepSpeed's sp-times larger gradient would show here
+    assert ulysses["grad_norms"] == pytest.approx(reference["grad_norms"], rel=RTOL)
+
+
+_ACCELERATE_ZERO3 = """compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  gradient_accumulation_steps: {sp}
+  gradient_clipping: 1.0
+  zero_stage: 3
+distributed_type: DEEPSPEED
+mixed_precision: 'no'
+machine_rank: 0
+num_machines: 1
+num_processes: 4
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+_SP_SECTION = """parallelism_config:
+  parallelism_config_dp_shard_size: {dp}
+  parallelism_config_sp_size: {sp}
+  parallelism_config_sp_backend: deepspeed
+  parallelism_config_sp_seq_length_is_variable: true
+  parallelism_config_sp_attn_implementation: sdpa
+"""
+
+
+def _trl_run(tmp: Path, sp: int) -> dict:
+    config, out = tmp / f"sp{sp}.yaml", tmp / f"trl_sp{sp}.json"
+    config.write_text(_ACCELERATE_ZERO3.format(sp=sp) + (_SP_SECTION.format(sp=sp, dp=RANKS // sp) if sp > 1 else ""))
+    command = [zerotrain_script(), "run", "accelerate", "launch", "--config_file", str(config),
+               "--main_process_port", str(free_port()), str(SCRIPTS / "trl_ulysses_job.py"), str(out)]
+    done = subprocess.run(command, cwd=tmp, env=user_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"TRL sp={sp} launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def test_trl_sft_with_accelerate_config_ulysses_sp2_dp2_trains_as_without(tmp_path):
+    pytest.importorskip("trl", reason="TRL is in the dev extra: pip install -e '.[dev]'")
+    reference, ulysses = _trl_run(tmp_path, 1), _trl_run(tmp_path, SP)
+    assert (reference["sp_size"], ulysses["sp_size"]) == (1, SP) and ulysses["sdpa_function"] == "UlyssesAttention"
+    assert len(ulysses["losses"]) == len(reference["losses"]) == 2
+    assert ulysses["losses"] == pytest.approx(reference["losses"], rel=RTOL)
     assert ulysses["grad_norms"] == pytest.approx(reference["grad_norms"], rel=RTOL)
 
 

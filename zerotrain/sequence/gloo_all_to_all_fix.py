@@ -5,7 +5,7 @@ call over the sequence group) runs its backward through `_AlltoAll`, whose Gloo 
 `dist.scatter(out, to_send, i, group=group)` with the GROUP rank `i` as the GLOBAL `src`. That is
 right only for a group whose ranks are 0..k-1 in the world; for any other group (the sequence
 groups of sp x dp > 1: ranks [2, 3] of 4) the scatter names a rank outside the group and fails,
-or names the wrong sender. Seen in torch 2.1 through 2.13 (torch/distributed/nn/functional.py).
+or names the wrong sender. Present in torch 2.13 (torch/distributed/nn/functional.py, `_AlltoAll`).
 
 `fix_gloo_all_to_all()` replaces that forward by one that passes `group_src=i`; NCCL and other
 backends keep torch's own path. It changes nothing on a torch whose code no longer has the bug.
@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import torch.distributed as dist
 from torch.distributed.nn import functional as dist_nn
 
 _BUGGY_CALL = "dist.scatter(out_tensor_list[i], to_send, i, group=group)"
+_torch_forward = dist_nn._AlltoAll.forward  # kept for the other backends
 
 
-def _forward_with_group_src(ctx, group, out_tensor_list, *tensors):  # noqa: ANN001, ANN202 (autograd signature)
+def _forward_with_group_src(ctx, group, out_tensor_list: list, *tensors: torch.Tensor) -> tuple:
     if dist.get_backend(group=group) != dist.Backend.GLOO:
         return _torch_forward(ctx, group, out_tensor_list, *tensors)
     size = dist.get_world_size(group=group)
@@ -34,9 +36,6 @@ def _forward_with_group_src(ctx, group, out_tensor_list, *tensors):  # noqa: ANN
     for i in range(size):
         dist.scatter(out_tensor_list[i], list(tensors) if i == my_rank else None, group=group, group_src=i)
     return tuple(out_tensor_list)
-
-
-_torch_forward = dist_nn._AlltoAll.forward
 
 
 def _torch_has_bug() -> bool:
