@@ -40,9 +40,9 @@ def _offload_plan_of(zero_extra: dict, params: list[nn.Parameter]):
 @pytest.mark.parametrize(
     "data, setting",
     [
-        ({"zero_optimization": {"elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
+        ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
-        ({"checkpoint": {"load_universal": True}}, "checkpoint"),
+        ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint"),
         ({"amp": {"enabled": True}}, "amp"),
     ],
 )
@@ -53,9 +53,24 @@ def test_unbuilt_feature_is_refused_with_a_fix(data, setting):
 
 
 def test_unbuilt_feature_message_says_what_to_change():
-    message = error_of(check_supported, load_config({"zero_optimization": {"elastic_checkpoint": True}}))
+    message = error_of(check_supported, load_config({"zero_optimization": {"zero_quantized_weights": True}}))
     assert "arrives with a later version" in message
-    assert "set zero_optimization.elastic_checkpoint to false" in message
+    assert "set zero_optimization.zero_quantized_weights to false" in message
+
+
+def test_elastic_checkpoint_is_accepted_as_a_no_op_and_said_once(caplog, monkeypatch):
+    """zerotrain's checkpoints load at any world size and stage, which is what DeepSpeed's switch is for."""
+    import logging
+
+    from zerotrain.config import unsupported
+
+    monkeypatch.setattr(unsupported, "_said", set())  # said once per process: as in one that has not said it
+    with caplog.at_level(logging.WARNING, logger="zerotrain"):
+        for _ in range(2):
+            check_supported(load_config({"zero_optimization": {"elastic_checkpoint": True}}))
+    notes = [r.getMessage() for r in caplog.records if "elastic_checkpoint" in r.getMessage()]
+    assert notes == ["zero_optimization.elastic_checkpoint: true changes nothing in zerotrain: its checkpoints "
+                     "always load at any world size and stage"]
 
 
 def test_cpu_offload_is_built():
@@ -168,10 +183,10 @@ def test_every_unbuilt_feature_row_is_off_by_default():
 
 def test_resolve_refuses_unbuilt_features_first():
     data = {
-        "zero_optimization": {"elastic_checkpoint": True},
+        "zero_optimization": {"zero_quantized_weights": True},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
     }
-    assert "elastic checkpoints is not built yet" in error_of(resolve, data)
+    assert "ZeRO++ quantized weights is not built yet" in error_of(resolve, data)
 
 
 def test_hugging_face_amp_auto_counts_as_off():

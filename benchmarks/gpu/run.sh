@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one part per call:  benchmarks/gpu/run.sh correct|speed|size|multi|all [PART ARGS...]
+# The GPU check, one part per call:  benchmarks/gpu/run.sh correct|speed|size|multi|longseq|all [PART ARGS...]
 #
 # On the GPU machine (no network; see docs/gpu.md): installs the wheels carried in .whl/ into a
 # folder of their own, installs zerotrain from this tree (with its `zerotrain` command), runs the
@@ -13,8 +13,8 @@ cd "$(dirname "$0")/../.."
 part=${1:-}
 shift || true
 case "$part" in
-  correct|speed|size|multi|all) ;;
-  *) echo "usage: benchmarks/gpu/run.sh correct|speed|size|multi|all [PART ARGS...]   (docs/gpu.md)" >&2; exit 2 ;;
+  correct|speed|size|multi|longseq|all) ;;
+  *) echo "usage: benchmarks/gpu/run.sh correct|speed|size|multi|longseq|all [PART ARGS...]   (docs/gpu.md)" >&2; exit 2 ;;
 esac
 if [ "$part" = all ] && [ $# -gt 0 ]; then
   echo "run.sh all takes no part arguments: name one part to pass them to it" >&2; exit 2
@@ -108,7 +108,7 @@ run_part() {  # PART [ARGS...]: its output goes to the terminal and to $RESULTS/
 }
 
 if [ "$part" = all ]; then
-  for p in correct speed size multi; do run_part "$p"; done
+  for p in correct speed size multi longseq; do run_part "$p"; done
 else
   run_part "$part" "$@"
 fi

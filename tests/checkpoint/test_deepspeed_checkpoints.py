@@ -3,8 +3,9 @@ zerotrain recognises them and consolidates each to DeepSpeed's own zero_to_fp32 
 
 Every fixture was written on torch 2.13 CPU ranks (2 Gloo ranks): by DeepSpeed 0.15.4 where its name
 starts with ds0.15_ (one of them with elastic_checkpoint, whose optimizer state is a list per param
-group), by DeepSpeed 0.19.8 otherwise (stage3_fp32_subgroups: several sub-groups per param group);
-each fixture.json says which release wrote it. DeepSpeed is never imported here.
+group), by DeepSpeed 0.19.8 otherwise (stage3_fp32_subgroups: several sub-groups per param group;
+universal_*: the 0.19.8 checkpoint of the case named after it, converted by 0.19.8's ds_to_universal.py,
+compared with that case's zero_to_fp32); each fixture.json says which release wrote it. DeepSpeed is never imported here.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_every_case_of_the_minimum_matrix_is_there_written_by_the_release_its_name_says():
     wanted = {"stage0_fp32", "stage1_fp32", "stage2_fp32", "stage3_fp32", "stage2_bf16", "stage3_bf16",
               "stage2_fp16", "stage3_fp32_offload", "stage3_fp32_subgroups", "ds0.15_stage1_fp32",
-              "ds0.15_stage2_fp32", "ds0.15_stage2_bf16", "ds0.15_stage3_fp32", "ds0.15_stage2_fp32_elastic"}
+              "ds0.15_stage2_fp32", "ds0.15_stage2_bf16", "ds0.15_stage3_fp32", "ds0.15_stage2_fp32_elastic",
+              "universal_stage2_fp32", "universal_stage3_fp32"}
     assert wanted <= set(CASES), f"missing fixtures: {sorted(wanted - set(CASES))}"
     for case in CASES:
         assert fixture(case)["written_by"]["deepspeed"] == ("0.15.4" if case.startswith("ds0.15_") else "0.19.8"), case
@@ -75,6 +77,57 @@ def test_consolidated_weights_equal_deepspeeds_zero_to_fp32_bitwise(case):
                 assert same_bits(ours.pop(name).to(theirs[name].dtype), theirs.pop(name)), name
     differing = [name for name in theirs if name in ours and not same_bits(ours[name], theirs[name])]
     assert differing == []
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("universal_")])
+def test_a_universal_folder_is_found_by_latest_universal_and_read_per_parameter(case):
+    """ds_to_universal.py writes latest_universal (no latest) and one folder per parameter; the masters are
+    those files (stage 2: a dict in shape; stage 3: a bare flat tensor), not the source's flat partitions."""
+    save_dir = FIXTURES / case / "checkpoint"
+    assert not (save_dir / "latest").exists()
+    tag = find_deepspeed_tag_dir(save_dir, None)
+    assert tag == save_dir / "global_step3_universal"
+    checkpoint = DeepSpeedCheckpoint(tag)
+    assert checkpoint.universal is not None and checkpoint.zero_stage == fixture(case)["case"]["stage"]
+    for name in checkpoint.params:
+        saved = load_deepspeed_file(tag / "zero" / name / "fp32.pt", bare_tensor=True)
+        saved = saved["param"] if isinstance(saved, dict) else saved
+        assert checkpoint.read_param("master", name).reshape(-1).equal(saved.reshape(-1)), name
+
+
+def test_load_universal_reads_the_converted_folder_beside_the_original_and_is_accepted(tmp_path):
+    """Users convert into the save folder they resume from: `latest` and `latest_universal` side by side.
+    checkpoint.load_universal picks the universal one, as DeepSpeed's switch does; without it, `latest`."""
+    import shutil
+
+    from zerotrain.config import check_supported, load_config
+
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "stage2_fp32" / "checkpoint", save_dir)
+    universal = FIXTURES / "universal_stage2_fp32" / "checkpoint"
+    shutil.copytree(universal / "global_step3_universal", save_dir / "global_step3_universal")
+    shutil.copy(universal / "latest_universal", save_dir / "latest_universal")
+    assert find_deepspeed_tag_dir(save_dir, None) == save_dir / "global_step3"
+    assert find_deepspeed_tag_dir(save_dir, None, prefer_universal=True) == save_dir / "global_step3_universal"
+    check_supported(load_config({"checkpoint": {"load_universal": True}}))  # honoured, so not refused
+
+
+def test_a_planted_payload_in_a_universal_parameter_file_is_refused_and_never_runs(tmp_path):
+    import shutil
+
+    from test_deepspeed_pickle import PAYLOADS
+
+    from zerotrain.checkpoint.deepspeed_pickle import ForeignPickleError
+
+    copy, marker = tmp_path / "ckpt", tmp_path / "payload-ran"
+    shutil.copytree(FIXTURES / "universal_stage2_fp32" / "checkpoint", copy)
+    planted = copy / "global_step3_universal" / "zero" / "fc1.bias" / "fp32.pt"
+    global_name = sorted(PAYLOADS)[0]
+    torch.save({"param": torch.zeros(10), "hook": PAYLOADS[global_name](marker)}, planted)
+    with pytest.raises(ForeignPickleError) as refused:
+        load_consolidated_state_dict(copy)
+    assert str(planted) in str(refused.value) and refused.value.names == [global_name]
+    assert not marker.exists()
 
 
 def test_stage0_fp32_masters_are_the_module_parameters():

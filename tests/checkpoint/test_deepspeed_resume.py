@@ -5,6 +5,8 @@ Each fixture (tests/fixtures/deepspeed_checkpoints, written on torch 2.13, 2 Glo
 own next 3 losses after loading the checkpoint into
 a fresh engine. zerotrain builds the same model and config, loads the same checkpoint, trains the same 3
 batches and must give those losses. One 2-rank spawn runs every case; one 1-rank spawn the resharding case.
+The universal_* fixtures (DeepSpeed's ds_to_universal.py output) must give the continuation DeepSpeed
+recorded for the checkpoint they were converted from.
 
 Tolerances (relative, on the mean loss over ranks; measured with this file): fp32 1e-6, measured 0 (bitwise).
 16-bit masters, moments and loss scale are fp32 and restored exactly, but forward and backward run in
@@ -39,6 +41,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 STAGE0_OPTIMIZER_ORDER = ["embed.weight", "fc1.weight", "proj.weight", "fc1.bias", "frozen.bias", "proj.bias"]
 # Resharded: DeepSpeed's stage-2, 2-rank checkpoint resumed at another stage and world size.
 RESHARD_FROM = "stage2_fp32"
+# A universal checkpoint (converted from stage3_fp32) resumed at ZeRO-1 on one rank.
+UNIVERSAL_RESHARD_FROM = "universal_stage3_fp32"
 
 
 def _fixture(case: str) -> dict:
@@ -46,11 +50,8 @@ def _fixture(case: str) -> dict:
 
 
 def _zerotrain_config(case: str) -> dict:
-    """The DeepSpeed run's config, less elastic_checkpoint (how DeepSpeed saves, not how it trains), which
-    zerotrain refuses, telling the user to set it false: its own checkpoints load at any world size."""
-    config = json.loads(json.dumps(_fixture(case)["ds_config"]))
-    config["zero_optimization"].pop("elastic_checkpoint", None)
-    return config
+    """The DeepSpeed run's config as it is (elastic_checkpoint included: accepted, a no-op in zerotrain)."""
+    return _fixture(case)["ds_config"]
 
 
 def _write_fixtures():
@@ -125,16 +126,23 @@ def _all_cases_on_two_ranks(scratch: str) -> dict:
     return out
 
 
-def _stage1_on_one_rank() -> dict:
+def _stage1_on_one_rank(wrapped: str) -> dict:
     config = dict(_fixture(RESHARD_FROM)["ds_config"], zero_optimization={"stage": 1}, train_micro_batch_size_per_gpu=4)
-    return _resume(config, FIXTURES / RESHARD_FROM / "checkpoint", 1, 0)
+    return {"resharded": _resume(config, FIXTURES / RESHARD_FROM / "checkpoint", 1, 0),
+            "wrapped": _resume(config, Path(wrapped), 1, 0, strip_prefix="module."),
+            "universal": _resume(config, FIXTURES / UNIVERSAL_RESHARD_FROM / "checkpoint", 1, 0)}
 
 
 @pytest.fixture(scope="module")
 def resumed() -> dict:
+    from deepspeed_wrapped_copy import wrapped_copy
+
     with tempfile.TemporaryDirectory() as scratch:
         results = run_on_ranks(2, _all_cases_on_two_ranks, scratch, timeout=600)
-    return {"ranks": results, "one_rank": run_on_ranks(1, _stage1_on_one_rank)[0]}
+        wrapped = wrapped_copy(FIXTURES / RESHARD_FROM / "checkpoint", Path(scratch) / "wrapped", "module.")
+        one_rank = run_on_ranks(1, _stage1_on_one_rank, str(wrapped))[0]
+    return {"ranks": results, "one_rank": one_rank["resharded"], "wrapped": one_rank["wrapped"],
+            "universal_one_rank": one_rank["universal"]}
 
 
 def _deepspeed_losses(case: str) -> list[float]:
@@ -163,7 +171,7 @@ def test_client_state_and_counters_are_restored(resumed):
         fixture, got = _fixture(case), resumed["ranks"][1][case]
         assert got["client_state"] == fixture["client_state_loaded"], case
         assert got["counters"] == (3, 12, 0), case  # 3 steps of 2 ranks x 2 samples, none skipped
-        assert got["path"].endswith("global_step3"), case
+        assert Path(got["path"]).name == "global_step3" + ("_universal" if "universal" in fixture else ""), case
         if fixture["case"]["precision"] == "fp16":  # DeepSpeed's scale after 3 clean steps of window 2
             assert got["loss_scale"]["cur_scale"] == 512.0 and got["loss_scale"]["cur_iter"] == 3, case
 
@@ -173,6 +181,23 @@ def test_a_deepspeed_checkpoint_resumes_at_another_stage_and_world_size(resumed)
     theirs = _deepspeed_losses(RESHARD_FROM)
     assert _worst_relative(resumed["ranks"][0]["reshard_stage3"]["losses"], theirs) <= FP32_RTOL
     assert _worst_relative(resumed["one_rank"]["losses"], theirs) <= FP32_RTOL
+
+
+@pytest.mark.slow
+def test_a_universal_checkpoint_resumes_at_another_stage_and_world_size(resumed):
+    """ds_to_universal.py's output of a 2-rank ZeRO-3 run, resumed at ZeRO-1 on one rank (fp32: 1e-6)."""
+    theirs = _deepspeed_losses(UNIVERSAL_RESHARD_FROM)
+    assert _worst_relative(resumed["universal_one_rank"]["losses"], theirs) <= FP32_RTOL
+    assert resumed["universal_one_rank"]["counters"] == (3, 12, 0)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_wrapped_model_resumes_with_strip_prefix(resumed):
+    """Saved as DeepSpeed names a DDP-wrapped model's parameters (`module.fc1.weight`): loaded with
+    strip_prefix="module.", it continues as the unwrapped checkpoint does (fp32, 1 rank: 1e-6)."""
+    wrapped = resumed["wrapped"]
+    assert _worst_relative(wrapped["losses"], _deepspeed_losses(RESHARD_FROM)) <= FP32_RTOL
+    assert wrapped["counters"] == (3, 12, 0)
 
 
 @pytest.mark.slow
@@ -234,3 +259,28 @@ def test_elastic_checkpoint_moments_land_on_their_parameters():
     assert reader.meta["group_scalars"] == [{"step": {"value": 3.0, "dtype": "float32"}}] * 2
     assert reader.meta["param_groups"] == [{}, {}]  # DeepSpeed restores no hyperparameters from this form
 
+
+
+def test_strip_prefix_renames_every_entry_and_refuses_a_prefix_some_names_lack(tmp_path):
+    from types import SimpleNamespace
+
+    from deepspeed_wrapped_copy import wrapped_copy
+
+    from zerotrain.checkpoint.deepspeed_resume import DeepSpeedResumeReader
+    from zerotrain.checkpoint.errors import CheckpointError
+
+    engine = SimpleNamespace(gradient_accumulation_steps=lambda: 1, train_batch_size=lambda: 4, loss_scaler=None)
+    plain = DeepSpeedResumeReader(FIXTURES / RESHARD_FROM / "checkpoint" / "global_step3", engine)
+    tag = wrapped_copy(FIXTURES / RESHARD_FROM / "checkpoint", tmp_path / "wrapped", "_orig_mod.") / "global_step3"
+    assert set(DeepSpeedResumeReader(tag, engine).params) == {"_orig_mod." + n for n in plain.params}
+    reader = DeepSpeedResumeReader(tag, engine, strip_prefix="_orig_mod.")
+    assert reader.params == plain.params and reader.module_entries == plain.module_entries
+    for name in plain.params:
+        for kind in ("master",) + MOMENTS:
+            assert reader.read_range(kind, name, 0, plain.numel(name)).equal(
+                plain.read_range(kind, name, 0, plain.numel(name))), (kind, name)
+    for name in plain.module_entries:
+        assert reader.read_module(name).equal(plain.read_module(name)), name
+    assert reader.meta == plain.meta
+    with pytest.raises(CheckpointError, match=r"strip_prefix='module\.', but 9 of its 9 names do not start with it"):
+        DeepSpeedResumeReader(tag, engine, strip_prefix="module.")

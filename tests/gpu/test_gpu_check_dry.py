@@ -25,7 +25,7 @@ def _run(tmp_path: Path, *args: str, timeout: float = 60, **env: str) -> subproc
 
 def test_an_unknown_part_is_refused_with_the_usage(tmp_path):
     done = _run(tmp_path, "fast")
-    assert done.returncode == 2 and "usage: benchmarks/gpu/run.sh correct|speed|size|multi|all" in done.stderr
+    assert done.returncode == 2 and "usage: benchmarks/gpu/run.sh correct|speed|size|multi|longseq|all" in done.stderr
 
 
 def test_without_a_gpu_the_real_check_refuses_and_names_the_dry_run(tmp_path):
@@ -50,7 +50,7 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path):
     assert f"all {len(wheels)} wheels of the manifest installed" in done.stdout, done.stdout[-3000:]
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.endswith(".tar.gz")) == [
-        f"{part}.{ext}" for part in ("correct", "multi", "size", "speed") for ext in ("json", "log", "md")
+        f"{part}.{ext}" for part in ("correct", "longseq", "multi", "size", "speed") for ext in ("json", "log", "md")
     ]
 
     correct = json.loads((out / "correct.json").read_text())
@@ -101,3 +101,11 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path):
         assert found["first_failing_reason"] == "host memory", (mode, found)
         assert size["planner"][mode]["largest"], mode
     assert "predicted largest" in (out / "size.md").read_text()
+    longseq = json.loads((out / "longseq.json").read_text())
+    # both modes ran the planner's ZeRO-3 rung and trained a length; every target has a verdict
+    assert longseq["dry"] and set(longseq["results"]["tiny"]) == {"plain", "alst"}, longseq["results"]
+    for mode, found in longseq["results"]["tiny"].items():
+        assert found["rung"].startswith("stage 3") and found["longest"], (mode, found)
+        assert all(t["status"] == "ok" and t["median_step_s"] > 0 for t in found["trials"]), (mode, found["trials"])
+    assert [t["verdict"] in ("met", "missed", "not shown") for t in longseq["targets"]] == [True] * 3
+    assert "| tiny | alst |" in (out / "longseq.md").read_text()

@@ -94,9 +94,12 @@ def test_eager_attention_keeps_score_matrices_that_fused_attention_does_not():
     assert eager.per_layer_bytes - sdpa.per_layer_bytes > (4 + 2) * heads * 2048 * 2048 * 0.99
 
 
-def test_checkpointing_and_the_peak_count_one_recomputed_layer_and_the_logits():
+def test_the_peak_is_the_larger_of_the_logits_and_one_recomputed_layer_never_both():
     est = estimate_activations(_config("llama", "sdpa"), SEQ, BATCH, torch.bfloat16)
-    assert est.total(True) == est.saved(True) - est.logits_saved_bytes + est.per_layer_bytes + est.logits_peak_bytes
+    mlp_gradients = 2 * 2 * BATCH * SEQ * 352  # two bf16 gradients of the MLP's width
+    assert est.layer_backward(True) == est.per_layer_bytes + mlp_gradients
+    assert est.total(True) == est.saved(True) - est.logits_saved_bytes + max(
+        est.layer_backward(True), est.logits_peak_bytes)
     assert est.total(False) > est.total(True)
     vocab, tokens = 500, BATCH * SEQ
     assert est.logits_peak_bytes == (2 + 4 + 8) * tokens * vocab + 8 * tokens
@@ -118,8 +121,9 @@ def test_selective_checkpointing_keeps_between_none_and_whole_layers():
     est = estimate_activations(_config("llama", "sdpa"), 2048, 1, torch.bfloat16)
     assert est.saved(True) < est.saved("selective") < est.saved(False)
     # The recomputed layer at the peak: what selective did not keep, on top of what it kept.
-    assert est.total("selective") == est.saved("selective") - est.logits_saved_bytes + (
-        est.per_layer_bytes - est.selective_per_layer_bytes) + est.logits_peak_bytes
+    assert est.layer_backward("selective") == est.layer_backward(True) - est.selective_per_layer_bytes
+    assert est.total("selective") == est.saved("selective") - est.logits_saved_bytes + max(
+        est.layer_backward("selective"), est.logits_peak_bytes)
 
 
 def test_an_unsupported_architecture_is_named():

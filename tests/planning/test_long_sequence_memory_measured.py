@@ -7,9 +7,9 @@ compared with `estimate_activations`:
   test_activation_memory.py's `saved_tensors_hooks` check (tensors the model does not itemise,
   such as rotary's cos/sin and the masks, make up the rest);
 - the peak over forward and backward against `total()`: the model must not be under it (a plan
-  must never say "fits" for what does not) and within 2x over it: its peak adds the logits'
-  peak to one layer's recompute, which in a real step do not coexist (at most +82% measured here,
-  with tiled MLP and offload, where the recompute is smallest next to the logits).
+  must never say "fits" for what does not) and at most 25% over it (measured here: +0.1% to
+  +21%, the most with tiled MLP and offload, whose recomputed layer the model counts generously;
+  the logits' peak and a layer's backward are counted as the larger of the two, as they happen).
 Offloaded inputs are counted as host memory: exactly layers x tokens x hidden x 4 bytes (on a GPU
 they are pinned, rounded up to a power of two, which `host()` counts).
 Sequence parallelism runs on 2 Gloo ranks (one spawn): each rank's figures at sp = 2.
@@ -87,7 +87,7 @@ def _check(measured: dict[str, int], seq: int, checkpointing, long_sequence: Lon
                                long_sequence=long_sequence)
     tokens = seq // long_sequence.sequence_parallel
     assert est.saved(checkpointing) + 4 * tokens * VOCAB == pytest.approx(measured["saved"], rel=0.10)
-    assert measured["peak"] <= est.total(checkpointing) <= 2 * measured["peak"]
+    assert measured["peak"] <= est.total(checkpointing) <= 1.25 * measured["peak"]
     offloaded = est.layers * est.offloaded_per_layer_bytes if checkpointing else 0
     assert measured["host"] == offloaded
 

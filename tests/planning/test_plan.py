@@ -49,7 +49,7 @@ def test_the_ladder_runs_fastest_first_and_each_offload_step_holds_less_on_the_g
 def test_deepspeeds_10b_zero_offload_run_on_one_v100_fits_with_a_chunked_loss():
     # DeepSpeed's ZeRO-Offload tutorial: a 10B GPT-2 (50 layers, hidden 4096, 32 heads), fp16, sequence
     # 1024, micro-batch 10, activation checkpointing, the optimizer on the CPU, one 32 GB V100. With the
-    # model's own loss the fp32 logits of 10,240 tokens x 50,257 words alone peak at 6.7 GiB: 9% over.
+    # model's own loss the fp32 logits of 10,240 tokens x 50,257 words alone peak at 6.7 GiB: 7% over.
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("gpt2", n_embd=4096, n_layer=50, n_head=32, vocab_size=50257, n_positions=1024)
@@ -58,7 +58,7 @@ def test_deepspeeds_10b_zero_offload_run_on_one_v100_fits_with_a_chunked_loss():
     rung, hardware = Rung(2, "cpu", gradient_checkpointing=True), Hardware(1, gpu_memory=32 * GIB, cpu_memory=512 * GIB)
     whole = estimate_rung(model, rung, Workload(1024, 10, "fp16"), hardware)
     chunked = estimate_rung(model, rung, Workload(1024, 10, "fp16", loss_chunk_tokens=1024), hardware)
-    assert not whole.fits and whole.gpu_total + whole.gpu_reserve > 1.08 * 32 * GIB
+    assert not whole.fits and whole.gpu_total + whole.gpu_reserve > 1.06 * 32 * GIB
     assert chunked.fits
     assert whole.gpu["logits peak"] - chunked.gpu["logits peak"] > 6 * GIB
 

@@ -94,46 +94,69 @@ def test_name_prefix_finds_a_wrapper_prefix_and_nothing_else():
     assert name_prefix(ours, {"model." + n for n in ours}) == "model."  # the script's own wrapper module
 
 
-def test_wrapped_names_are_refused_naming_the_prefix_and_the_way_out(zerotrain_main, tmp_path, monkeypatch):
-    from zerotrain.train import deepspeed_start
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "model."])
+def test_wrapped_names_pass_the_check_before_any_rank_and_each_rank_strips_them(tmp_path, capsys, prefix):
+    """The fixture as a script that wrapped its model (DDP, torch.compile, its own module) saved it."""
+    from deepspeed_wrapped_copy import wrapped_copy
 
-    real = deepspeed_start.deepspeed_names_and_shapes
+    from zerotrain.train.config_files import load_train_config
+    from zerotrain.train.deepspeed_start import check_deepspeed_start
 
-    def wrapped(tag_dir):  # the fixture as a script that passed torch.compile(model) would have saved it
-        shapes, groups, counters = real(tag_dir)
-        return {"_orig_mod." + n: s for n, s in shapes.items()}, groups, counters
+    point = resolve_resume(str(wrapped_copy(CHECKPOINT, tmp_path / "wrapped", prefix)), tmp_path)
+    assert check_deepspeed_start(load_train_config(RUN_YAML), point, None)["global_steps"] == 3
+    assert f"every parameter name there starts with {prefix!r}" in capsys.readouterr().out
+    engine = _ScheduleOnly(global_steps=3, skipped_steps=0)
+    continue_deepspeed_run(engine, _batches(), point, seq_len=4)
+    assert engine.strip_prefix == prefix
+    continue_deepspeed_run(engine, _batches(), resolve_resume(str(CHECKPOINT), tmp_path), seq_len=4)
+    assert engine.strip_prefix is None  # names as saved: nothing stripped
 
-    monkeypatch.setattr(deepspeed_start, "deepspeed_names_and_shapes", wrapped)
-    proc = zerotrain_main("train", RUN_YAML, "--resume-from", CHECKPOINT, "--output.dir", tmp_path / "run",
-                          "--data.cache_dir", tmp_path / "cache")
-    message = " ".join(proc.stderr.split())
-    assert proc.returncode == 2 and "every parameter name there starts with '_orig_mod.'" in message, proc.stderr
-    assert "zerotrain consolidate" in message
+
+def test_wrapped_names_of_another_model_are_still_refused(tmp_path):
+    from deepspeed_wrapped_copy import wrapped_copy
+
+    from zerotrain.train.config_files import load_train_config
+    from zerotrain.train.deepspeed_start import check_deepspeed_start
+
+    point = resolve_resume(str(wrapped_copy(CHECKPOINT, tmp_path / "wrapped", "module.")), tmp_path)
+    cfg = load_train_config(RUN_YAML, ["--model.config_overrides.num_hidden_layers", "3"])
+    with pytest.raises(RunFolderError, match="holds another model than the YAML's `model` section builds"):
+        check_deepspeed_start(cfg, point, None)
+
+
+def _batches():
+    from zerotrain.train.data.batches import RankBatches
+
+    return RankBatches(list(range(40)), 2, rank=0, world_size=2)
 
 
 class _ScheduleOnly:
     """An engine as continue_deepspeed_run sees it after loading: counters and a schedule."""
 
     def __init__(self, global_steps: int, skipped_steps: int) -> None:
+        from types import SimpleNamespace
+
         from zerotrain.optim.schedules import WarmupLR
+        from zerotrain.train.deepspeed_start import deepspeed_names_and_shapes
 
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         self.lr_scheduler = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10,
                                      warmup_type="linear")
         self.global_steps, self.skipped_steps, self.global_samples = global_steps, skipped_steps, 8 * global_steps
+        self.flat_params = [SimpleNamespace(names=list(deepspeed_names_and_shapes(CHECKPOINT / "global_step3")[0]))]
 
-    def load_checkpoint(self, path, load_lr_scheduler_states=True):
+    def load_checkpoint(self, path, load_lr_scheduler_states=True, strip_prefix=None):
         assert not load_lr_scheduler_states  # DeepSpeed's may be another scheduler class
+        self.strip_prefix = strip_prefix
         return path, {}
 
 
 def test_the_schedule_takes_one_step_per_optimizer_step_deepspeed_did_not_skip():
-    from zerotrain.train.data.batches import RankBatches
     from zerotrain.train.run_folder import ResumePoint
 
     engine = _ScheduleOnly(global_steps=5, skipped_steps=2)  # fp16 overflows: 3 updates, as many schedule steps
-    batches = RankBatches(list(range(40)), 2, rank=0, world_size=2)
-    _, state = continue_deepspeed_run(engine, batches, ResumePoint(CHECKPOINT, None, CHECKPOINT), seq_len=4)
+    point = ResumePoint(CHECKPOINT, None, CHECKPOINT / "global_step3")
+    _, state = continue_deepspeed_run(engine, _batches(), point, seq_len=4)
     assert engine.lr_scheduler.last_batch_iteration == 2 and state.step == 5 and state.tokens == 40 * 4
 
 

@@ -72,3 +72,65 @@ def test_no_unit_lies_inside_a_leaf_module(standin_deepspeed):
     whole_list = TwoLayerMoE()
     set_z3_leaf_modules(whole_list, [nn.ModuleList], raise_if_not_found=False)
     assert find_layer_units(whole_list) == []  # a ModuleList flagged as a leaf is not split either
+
+
+def _engine_with_leaf_config(model: nn.Module, leaf_module: dict | None, stage: int = 3):
+    import zerotrain
+
+    zero = {"stage": stage} if leaf_module is None else {"stage": stage, "leaf_module": leaf_module}
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": zero}
+    return zerotrain.initialize(model=model, config=config)[0]
+
+
+def test_the_leaf_module_config_section_flags_modules_at_engine_build():
+    """DeepSpeed >= 0.17's zero_optimization.leaf_module: classes, names and name suffixes, as its engine
+    applies them when built; a name is one of named_modules() (a single string is a list of one)."""
+    from zerotrain.zero.units import find_layer_units
+
+    by_name = OneLayerMoE()
+    engine = _engine_with_leaf_config(by_name, {"names": "moe"})
+    assert by_name.moe._z3_leaf is True and find_layer_units(by_name) == []  # experts not split into units
+    assert {id(fp.unit) for fp in engine.flat_params} == {id(by_name)}  # all gathered with the root
+    by_suffix = TwoLayerMoE()
+    _engine_with_leaf_config(by_suffix, {"name_suffixes": ["experts.1"], "classes": []})
+    flagged = [n for n, m in by_suffix.named_modules() if getattr(m, "_z3_leaf", False)]
+    assert flagged == ["layers.0.experts.1", "layers.1.experts.1"]  # every name that ends so
+    by_class = TwoLayerMoE()
+    _engine_with_leaf_config(by_class, {"classes": ["Experts"]})
+    assert all(layer._z3_leaf for layer in by_class.layers)
+    untouched = OneLayerMoE()  # no section: DeepSpeed's default classes (transformers' MoE blocks) only
+    _engine_with_leaf_config(untouched, None)
+    assert not any(getattr(m, "_z3_leaf", False) for m in untouched.modules())
+    below_stage3 = OneLayerMoE()  # no units below ZeRO-3: the section changes nothing, checks nothing
+    _engine_with_leaf_config(below_stage3, {"names": ["moe", "nothing"]}, stage=2)
+    assert not any(getattr(m, "_z3_leaf", False) for m in below_stage3.modules())
+
+
+@pytest.mark.parametrize("leaf_module, expected", [
+    ({"names": ["moe", "layers.0.mlp"]}, "zero_optimization.leaf_module.names: ['layers.0.mlp'] match no module"),
+    ({"name_suffixes": "gate"}, "zero_optimization.leaf_module.name_suffixes: ['gate'] match no module"),
+    ({"classes": ["MixtralSparseMoeBlock"]}, "zero_optimization.leaf_module.classes: no module of "
+                                             "['MixtralSparseMoeBlock'] in the model (OneLayerMoE)"),
+], ids=["name", "suffix", "class"])
+def test_a_leaf_module_entry_that_matches_nothing_is_a_config_error(leaf_module, expected):
+    from zerotrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        _engine_with_leaf_config(OneLayerMoE(), leaf_module)
+    assert expected in str(error.value)
+    assert "model.named_modules()" in str(error.value) or "mixture-of-experts block" in str(error.value)
+
+
+def test_deepspeeds_default_leaf_classes_name_transformers_moe_blocks_as_they_are_spelled():
+    """Unset, leaf_module.classes is DeepSpeed's default: the three MoE blocks by module-qualified name,
+    which must be where transformers keeps them for the default to flag anything."""
+    import importlib
+
+    from zerotrain.config.zero_schema import DEFAULT_LEAF_MODULE_CLASSES
+    from zerotrain.zero.leaf_modules import _is_of_class
+
+    for qualified in DEFAULT_LEAF_MODULE_CLASSES:
+        module, name = qualified.rsplit(".", 1)
+        block = getattr(importlib.import_module(module), name)
+        assert _is_of_class(block.__new__(block), qualified), qualified

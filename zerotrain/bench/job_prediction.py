@@ -62,7 +62,7 @@ def predict_job(job_dir: Path, args: argparse.Namespace, metric: str = "tokens_p
 
                 rates = with_comm_probe(rates, args.comm)
         dtype = t.precision if t.precision in ("bf16", "fp16", "fp32") else ("bf16" if rates.device.peak_tflops else "fp32")
-        workload = Workload(cfg.data.seq_len, t.micro_batch_size, dtype, loss_chunk_tokens=t.loss_chunk_tokens)
+        workload = Workload.of_train_config(cfg, dtype)
         step = predict_step(model, rung, workload, Hardware(per_node, len(slots)), rates, t.gradient_accumulation_steps)
     except ValueError as error:
         return None, f"cannot predict: {error}"

@@ -19,6 +19,8 @@ Where the masters are (read from DeepSpeed 0.19.8's engine, ZeRO optimizers and 
 Frozen parameters are `frozen_param_fragments` (stage 3: rank pieces end to end) or, where DeepSpeed
 records none (stages 0-1), the module's value; buffers are the module's entries in `buffer_names`;
 tied names (`shared_params`, or at stage 0 one storage under two names) are read under one name.
+A universal tag folder (ds_to_universal.py output, deepspeed_universal.py) has the same model states
+files and, instead of the optimizer files, each parameter's master and moments in a folder of its own.
 Every .pt file goes through `load_deepspeed_file` (weights-only, DeepSpeed's classes as inert
 stand-ins); DeepSpeed is never imported.
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 from zerotrain.checkpoint.deepspeed_pickle import as_plain_data, load_deepspeed_file
+from zerotrain.checkpoint.deepspeed_universal import LATEST_UNIVERSAL, UniversalFolder, is_universal_tag_dir
 from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.layout import LATEST, MASTER
 
@@ -55,10 +58,13 @@ def is_deepspeed_tag_dir(path: Path) -> bool:
     )
 
 
-def find_deepspeed_tag_dir(checkpoint_dir: str | Path, tag: str | None) -> Path | None:
+def find_deepspeed_tag_dir(checkpoint_dir: str | Path, tag: str | None, prefer_universal: bool = False) -> Path | None:
     """The DeepSpeed tag folder meant by CHECKPOINT_DIR [TAG], or None when it is not DeepSpeed's.
 
-    CHECKPOINT_DIR is a save folder (TAG, or the tag its `latest` names) or a tag folder itself.
+    CHECKPOINT_DIR is a save folder (TAG, or the tag its `latest` names, else its `latest_universal`:
+    ds_to_universal.py writes only that) or a tag folder itself. `prefer_universal` (the config's
+    checkpoint.load_universal) reads `latest_universal` first, as DeepSpeed does when a converted
+    folder sits beside the original in one save folder.
     """
     from zerotrain.checkpoint.reader import read_latest  # the one reader of `latest`, which checks the name
 
@@ -68,9 +74,11 @@ def find_deepspeed_tag_dir(checkpoint_dir: str | Path, tag: str | None) -> Path 
     if tag is None and is_deepspeed_tag_dir(path):
         return path
     if tag is None:
-        if not (path / LATEST).is_file():
+        order = (LATEST_UNIVERSAL, LATEST) if prefer_universal else (LATEST, LATEST_UNIVERSAL)
+        latest = next((path / n for n in order if (path / n).is_file()), None)
+        if latest is None:
             return None
-        tag = read_latest(path / LATEST)
+        tag = read_latest(latest)
     candidate = path / str(tag)
     return candidate if candidate.is_dir() and is_deepspeed_tag_dir(candidate) else None
 
@@ -94,11 +102,16 @@ class DeepSpeedCheckpoint:
         model_files = self._model_state_files()
         states = [as_plain_data(load_deepspeed_file(f)) for f in model_files]
         self.model_state = states[0]
-        optim_files = self._optim_files()
+        # ds_to_universal.py output: the masters and moments per parameter, no optimizer files
+        self.universal = UniversalFolder(self.tag_dir, self.model_state["param_shapes"]) if is_universal_tag_dir(
+            self.tag_dir) else None
+        optim_files = [] if self.universal else self._optim_files()
         optim = [as_plain_data(load_deepspeed_file(f))["optimizer_state_dict"] for f in optim_files]
-        self.zero_stage = int(optim[0]["zero_stage"]) if optim else 0
-        self.world_size = len(optim) if optim else int(self.model_state.get("dp_world_size") or 1)
         self._check_rank_files(optim, optim_files)
+        if self.universal:  # rank 0's optimizer file less its partitions: the loss scaler and the like
+            optim = [self.universal.optimizer_state]
+        self.zero_stage = int(optim[0]["zero_stage"]) if optim else 0
+        self.world_size = len(optim_files) if optim_files else int(self.model_state.get("dp_world_size") or 1)
         self.optim_states = optim  # each rank's optimizer_state_dict, for resuming (deepspeed_resume)
         self._masters: dict[str, torch.Tensor] = {}
         self._module: dict[str, torch.Tensor] = {}
@@ -107,7 +120,9 @@ class DeepSpeedCheckpoint:
         # stage 0 the names in DeepSpeed's optimizer order: where its optimizer state is found.
         self.flat_group_of: dict[str, int] = {}
         self.optimizer_names: list[str] = []
-        if self.zero_stage == 0:
+        if self.universal:
+            self._masters = self.universal.masters()
+        elif self.zero_stage == 0:
             self._read_stage0()
         elif self.zero_stage <= 2:
             self._masters = self.split_flat([o["single_partition_of_fp32_groups"] for o in optim])

@@ -1,7 +1,8 @@
 """DeepSpeed's checkpoint files, read without DeepSpeed and without running anything they hold.
 
 DeepSpeed's `.pt` files (`mp_rank_00_model_states.pt`, `zero_pp_rank_R_mp_rank_00_model_states.pt`,
-`[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`, the universal `zero/optimizer_state.pt`) are
+`[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`, the universal `zero/optimizer_state.pt` and
+`zero/<param>/*.pt`) are
 torch.save pickles that hold a few DeepSpeed objects besides tensors and plain data. Listed from
 DeepSpeed 0.19.8's `save_checkpoint` path (engine `_save_checkpoint`/`_save_zero_checkpoint`, the ZeRO
 1-2 and 3, bf16 and fp16 optimizers' `state_dict`), the only classes it pickles are:
@@ -13,7 +14,8 @@ DeepSpeed 0.19.8's `save_checkpoint` path (engine `_save_checkpoint`/`_save_zero
   a dataclass of numel and start).
 
 Everything else there is tensors, `torch.Size`, dtypes, OrderedDicts and plain data (`ds_config` is
-the config dict, schedulers' `state_dict()`s are plain). Scripts add `argparse.Namespace` through
+the config dict, schedulers' `state_dict()`s are plain; the files `ds_to_universal.py` writes
+hold a subset of these). Scripts add `argparse.Namespace` through
 `client_state` (Megatron-style `args`), an attribute bag too. `load_deepspeed_file` maps exactly those
 names to inert stand-ins defined here and loads with `torch.load(weights_only=True)`; any other
 global is refused, naming the file and the global, before the file is unpickled.
@@ -94,12 +96,15 @@ class ForeignPickleError(CheckpointError):
         super().__init__(_foreign_globals_message(self.path, self.names))
 
 
-def load_deepspeed_file(path: str | Path) -> dict:
+def load_deepspeed_file(path: str | Path, bare_tensor: bool = False) -> dict | torch.Tensor:
     """Load one DeepSpeed checkpoint file onto the CPU, its DeepSpeed objects as the stand-ins above.
+
+    `bare_tensor`: a tensor alone is accepted too (universal checkpoints' per-parameter files at
+    stage 3, and every `step.pt`).
 
     Raises ForeignPickleError if the pickle names any global that is neither torch's weights-only
     set nor `DEEPSPEED_STAND_INS` (checked before unpickling), CheckpointError if the file is
-    missing, unreadable, or does not hold a dict. DeepSpeed is never imported.
+    missing, unreadable, or does not hold a dict (or the tensor allowed). DeepSpeed is never imported.
     """
     path = Path(path)
     if not path.is_file():
@@ -118,7 +123,7 @@ def load_deepspeed_file(path: str | Path) -> dict:
                 f"cannot read {path}: it is truncated, corrupt, or holds objects zerotrain will not unpickle "
                 f"({detail:.300}); copy the file again from where the DeepSpeed run wrote it"
             ) from error
-    if not isinstance(loaded, dict):
+    if not isinstance(loaded, dict) and not (bare_tensor and torch.is_tensor(loaded)):
         raise CheckpointError(
             f"cannot read {path}: it holds a {type(loaded).__name__}, not the dict DeepSpeed saves; "
             "is it a DeepSpeed checkpoint file?"

@@ -37,11 +37,12 @@ class DeepSpeedResumeReader:
     `state` stands for zerotrain's state file: the LR scheduler's state and the client state, which
     is, as DeepSpeed returns it, every other top-level entry of the model states file (the optimizer's
     and the scheduler's too when they are not loaded). The masters are DeepSpeed's fp32 copies, also
-    with load_module_only (where DeepSpeed would take the 16-bit module's values).
+    with load_module_only (where DeepSpeed would take the 16-bit module's values). `strip_prefix`
+    (e.g. "module.", "_orig_mod.") is cut from every name: the run saved a wrapped model.
     """
 
     def __init__(self, tag_dir: Path, engine, load_optimizer_states: bool = True,
-                 load_lr_scheduler_states: bool = True) -> None:
+                 load_lr_scheduler_states: bool = True, strip_prefix: str | None = None) -> None:
         checkpoint = DeepSpeedCheckpoint(tag_dir)
         self.tag_dir = Path(tag_dir)
         self.model_state = checkpoint.model_state
@@ -65,6 +66,8 @@ class DeepSpeedResumeReader:
             "counters": self._counters(engine),
             "loss_scaler": self._loss_scaler(checkpoint, engine),
         }
+        if strip_prefix:
+            self._strip(strip_prefix)
 
     # --- the reader interface loader.py uses ------------------------------------------------------
 
@@ -96,12 +99,33 @@ class DeepSpeedResumeReader:
         """The error for a DeepSpeed file whose content cannot be restored."""
         return CheckpointError(f"{problem} (a DeepSpeed checkpoint: copy the whole tag folder the run wrote)")
 
+    def _strip(self, prefix: str) -> None:
+        """Names as the unwrapped model has them: `prefix` (a wrapper's, e.g. "module.") cut from every
+        parameter and module entry; each must carry it, or the wrapper held more than the model."""
+        names = sorted(set(self.params) | set(self.module_entries))
+        stray = [n for n in names if not n.startswith(prefix)]
+        if stray:
+            raise CheckpointError(
+                f"{self.tag_dir}: strip_prefix={prefix!r}, but {len(stray)} of its {len(names)} names do not start "
+                f"with it (first: {stray[0]!r}): pass the prefix every name there has, or none"
+            )
+        cut = len(prefix)
+        self.params = {n[cut:]: v for n, v in self.params.items()}
+        self.module_entries = {n[cut:]: v for n, v in self.module_entries.items()}
+        self._values = {kind: {n[cut:]: t for n, t in named.items()} for kind, named in self._values.items()}
+        read_module = self._module
+        self._module = lambda name: read_module(prefix + name)
+
     # --- DeepSpeed's optimizer state, per parameter -------------------------------------------------
 
     def _optimizer_state(self, checkpoint: DeepSpeedCheckpoint) -> tuple[list[dict], dict, list[list[str]]]:
         """Fills the moments into self._values; returns the param groups, each name's scalar state
         (step, ...) and each param group's names."""
         stage = checkpoint.zero_stage
+        if checkpoint.universal:  # ds_to_universal.py output: each parameter's moments and step on their own
+            moments, groups, entries, group_names = checkpoint.universal.optimizer()
+            self._values.update(moments)
+            return groups, {n: _scalars(e) for n, e in entries.items()}, group_names
         if stage == 0:
             optimizer = self.model_state.get("optimizer") or {}
             base = optimizer.get("optimizer_state_dict", optimizer)  # 16-bit wraps torch's state dict

@@ -39,18 +39,24 @@ def load_checkpoint(
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     load_module_only: bool,
+    strip_prefix: str | None = None,
 ) -> tuple[str | None, dict | None]:
-    """Restores `engine` from LOAD_DIR/TAG (default: the tag in `latest`). Returns (path, client_state)."""
+    """Restores `engine` from LOAD_DIR/TAG (default: the tag in `latest`). Returns (path, client_state).
+    `strip_prefix`: cut from a DeepSpeed checkpoint's names (it saved a wrapped model)."""
     coord = Coordinator.for_engine(engine)
     coord.meet("load_checkpoint")
-    deepspeed_tag = find_deepspeed_tag_dir(load_dir, tag)
+    deepspeed_tag = find_deepspeed_tag_dir(load_dir, tag, engine.parsed_config.checkpoint.load_universal)
     if deepspeed_tag is None and tag is None and not (Path(load_dir) / LATEST).is_file():
         # As DeepSpeed: starting a run with nothing to resume from is not an error.
         if engine.rank == 0:
             log.warning("no checkpoint to load: %s does not exist", Path(load_dir) / LATEST)
         return None, None
     if deepspeed_tag is not None:  # written by DeepSpeed: read through the same interface, restored alike
-        opened = DeepSpeedResumeReader(deepspeed_tag, engine, load_optimizer_states, load_lr_scheduler_states)
+        opened = DeepSpeedResumeReader(deepspeed_tag, engine, load_optimizer_states, load_lr_scheduler_states,
+                                       strip_prefix)
+    elif strip_prefix:
+        raise CheckpointError(f"{load_dir}: strip_prefix applies to DeepSpeed's checkpoints; zerotrain saves "
+                              "the unwrapped model's names: leave it out")
     else:
         opened = CheckpointReader(load_dir, tag)
     with opened as reader, engine.optimizer.states_resident():

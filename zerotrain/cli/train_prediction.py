@@ -53,7 +53,7 @@ def predict_train_step(cfg, world: int, per_node: int) -> dict[str, Any] | None:
     rung = train_config_rung(cfg)
     # The precision the trainer itself resolves (the one rule, shared with estimate/plan of a YAML).
     dtype = resolve_precision(t.precision, "cuda" if torch.cuda.is_available() else "cpu", cfg.zero_dict())
-    workload = Workload(cfg.data.seq_len, t.micro_batch_size, dtype, loss_chunk_tokens=t.loss_chunk_tokens)
+    workload = Workload.of_train_config(cfg, dtype)
     step = predict_step(load_meta_model(cfg.model), rung, workload,
                         Hardware(per_node, max(1, world // per_node)), rates, t.gradient_accumulation_steps)
     return {"step_s": step.step_s, "bottleneck": step.bottleneck, "world_size": world, "rung": rung.name,

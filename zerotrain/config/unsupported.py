@@ -52,13 +52,13 @@ def _when(flag: Callable[[ZeroTrainConfig], Any]) -> Callable[[ZeroTrainConfig],
     return requested
 
 
-def _non_default(section: str, default: Any) -> Callable[[ZeroTrainConfig], Any]:
-    """For whole sections: the keys that differ from the defaults."""
+def _non_default(section: str, default: Any, honoured: tuple[str, ...] = ()) -> Callable[[ZeroTrainConfig], Any]:
+    """For whole sections: the keys that differ from the defaults, less those zerotrain honours."""
 
     def requested(cfg: ZeroTrainConfig) -> Any:
         given = getattr(cfg, section).model_dump()
         reference = default.model_dump()
-        changed = {k: v for k, v in given.items() if reference[k] != v}
+        changed = {k: v for k, v in given.items() if reference[k] != v and k not in honoured}
         return changed or None
 
     return requested
@@ -71,12 +71,6 @@ NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
         _when(lambda cfg: cfg.compile.deepcompile),
         "set compile.deepcompile to false; compile.enabled: true (or engine.compile()) compiles each layer and "
         "the loss with ZeRO's hooks outside the graph",
-    ),
-    NotYetBuilt(
-        "elastic checkpoints",
-        "zero_optimization.elastic_checkpoint",
-        _when(lambda cfg: cfg.zero_optimization.elastic_checkpoint),
-        "set zero_optimization.elastic_checkpoint to false",
     ),
     NotYetBuilt(
         "ZeRO++ quantized weights",
@@ -150,7 +144,7 @@ NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
     NotYetBuilt(
         "checkpoint I/O options",
         "checkpoint",
-        _non_default("checkpoint", CheckpointConfig()),
+        _non_default("checkpoint", CheckpointConfig(), honoured=("load_universal",)),
         "remove the checkpoint section or leave it empty",
     ),
 )
@@ -224,6 +218,15 @@ EMULATED_KEYS = {
 """DeepSpeed sections whose feature is replaced by what the plain engine does, said once when on
 (DeepSpeed-Chat's step 3 writes `hybrid_engine` with --enable_hybrid_engine)."""
 
+NO_OP_SWITCHES: dict[str, tuple[Callable[[ZeroTrainConfig], Any], str]] = {
+    "zero_optimization.elastic_checkpoint": (
+        lambda cfg: cfg.zero_optimization.elastic_checkpoint,
+        "zero_optimization.elastic_checkpoint: true changes nothing in zerotrain: its checkpoints always load at "
+        "any world size and stage",
+    ),
+}
+"""Switches zerotrain models whose purpose its own design already serves: accepted, said once when on."""
+
 NEVER_REFUSED_KEYS = frozenset({"aio", *EMULATED_KEYS})
 """Unmodeled DeepSpeed sections accepted whatever they hold: the emulated ones above, and `aio`,
 which sizes the async I/O of DeepSpeed's NVMe offload and switches nothing on (zerotrain's NVMe
@@ -241,6 +244,9 @@ def check_supported(cfg: ZeroTrainConfig, *, prefix: str = "") -> None:
     for key, message in EMULATED_KEYS.items():
         if _switched_on(cfg.other_deepspeed_keys.get(key)):
             _say_once(message)
+    for switched_on, message in NO_OP_SWITCHES.values():
+        if switched_on(cfg):
+            _say_once(f"{prefix}{message}")
     for row in NOT_YET_BUILT:
         value = row.requested(cfg)
         if value is None:

@@ -26,6 +26,35 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 _NVME_PATH_MISSING = 'device is "nvme" but nvme_path is not set: set nvme_path to a directory on a local fast disk'
 
 
+# DeepSpeed 0.19.8's default `leaf_module.classes` (runtime/zero/leaf_module_config.py): its engine flags
+# these mixture-of-experts blocks as ZeRO-3 leaves unless the config lists other classes.
+DEFAULT_LEAF_MODULE_CLASSES = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+
+
+class LeafModuleConfig(ConfigSection):
+    """Modules ZeRO-3 gathers whole, never split into units (``leaf_module``, DeepSpeed >= 0.17)."""
+
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    """Class names, plain or module-qualified; default: Mixtral's, Qwen2-MoE's and Qwen3-MoE's MoE blocks."""
+    names: list[str] = []
+    """Module names as model.named_modules() gives them (e.g. "model.layers.0.mlp")."""
+    name_suffixes: list[str] = []
+    """Ends of module names (e.g. "mlp"): every module whose name ends so."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_as_list(cls, data: Any) -> Any:
+        """As DeepSpeed: a single string stands for a list of one."""
+        if not isinstance(data, Mapping):
+            return data
+        return {k: [v] if k in ("classes", "names", "name_suffixes") and isinstance(v, str) else v
+                for k, v in data.items()}
+
+
 class OffloadParamConfig(ConfigSection):
     """Where ZeRO-3 keeps parameter shards between uses (``offload_param``)."""
 
@@ -113,7 +142,7 @@ class ZeroConfig(ConfigSection):
     load_from_fp32_weights: bool = True
     """Initialize fp32 master weights from the checkpoint's fp32 copy rather than 16-bit weights."""
     elastic_checkpoint: bool = False
-    """Legacy elastic checkpoints (not built in zerotrain)."""
+    """DeepSpeed's checkpoints loadable at another world size; accepted, a no-op: zerotrain's always are."""
     ignore_unused_parameters: bool = True
     """Tolerate parameters that get no gradient instead of raising."""
     legacy_stage1: bool = False
@@ -176,8 +205,8 @@ class ZeroConfig(ConfigSection):
     """Run internal consistency checks (slow; for debugging)."""
     save_muon_momentum_buffer_in_memory: bool = False
     """Stage 3 with NVMe: keep the Muon momentum buffer in memory."""
-    leaf_module: dict[str, Any] | None = None
-    """Stage 3: modules treated as leaves when fetching parameters."""
+    leaf_module: LeafModuleConfig | None = None
+    """Stage 3: modules gathered whole (classes, names, name_suffixes); unset: DeepSpeed's default MoE classes."""
     zenflow: dict[str, Any] | None = None
     """DeepSpeed ZenFlow settings (not built in zerotrain)."""
 

@@ -23,10 +23,17 @@ GELU's intermediates (4 e.T.i for gelu_new: x, x^3, tanh, the sum), c_proj input
 Dropout masks are one byte per element on a GPU and e bytes on a CPU (the CPU kernel keeps
 the mask in the compute dtype).
 
-Outside the layers: token ids (8T), the final norm, the LM head's input (eTh). The logits
-are counted apart: the loss upcasts them to fp32 and keeps its log-softmax (4TV saved); the
-peak adds the logits returned to the caller (eTV) and the two fp32 gradients of backward's
-first step (8TV).
+Outside the layers: token ids (8T), the final norm, the LM head's input (eTh), and for the
+Llama family rotary's cos and sin (2 e.T.d), made once and read by every layer. The logits are
+counted apart: the loss upcasts them to fp32 and keeps its log-softmax (4TV saved); their peak
+adds the logits returned to the caller (eTV) and the two fp32 gradients of backward's first
+step (8TV).
+
+The peak of a step is what is saved plus the larger of two moments that never coexist
+(measured op by op, tests/planning/test_long_sequence_memory_measured.py): the loss's backward
+(the logits' peak), and one layer's backward, later, once the logits are freed: the layer
+recomputed (with checkpointing), the transients below, and the gradients its MLP's backward
+holds beside them (two of width i, 2 e.T.i; a tiled MLP's are in its tile's).
 
 With gradient checkpointing each layer keeps only its input (eTh), inputs all layers share are
 kept once (GPT-2's eager attention mask, e.b.s^2), and one layer's full set exists again while
@@ -36,8 +43,10 @@ Long sequences (`LongSequence`): with Ulysses sequence parallelism over N ranks 
 T = b.s/N tokens, so every term above is counted at s/N, and the attention kernel's inputs (1/N
 of the heads over the whole sequence) are the same bytes; what is added is the kernel's output,
 no longer shared with o_proj's input (e.T.n.d), key/value heads replicated up to N when there are
-fewer (sequence/attention.py), and the all-to-all's two staging buffers (send and receive) of the
-largest exchange, q (2 e.T.n.d), alive while one layer's attention exchanges. A tiled MLP keeps
+fewer (sequence/attention.py), the all-to-all's two staging buffers (send and receive) of the
+largest exchange, q (2 e.T.n.d), alive while one layer's attention exchanges, and the whole
+sequence's int64 positions twice (gathered by the attention; the batch's own, which the shard
+slices as it does the ids and labels: 8 b.s each beyond the slice's 8T). A tiled MLP keeps
 only its input: the 4 e.T.i of the MLP are gone, and backward's recompute of one tile of tau
 tokens holds that tile's intermediates and their gradients (8 e.tau.i). Offloaded activations
 move each checkpointed layer's input (eTh) to host memory, pinned, so rounded up to a power of
@@ -82,6 +91,8 @@ class ActivationEstimate:
     """Alive for a moment at the peak: the all-to-all's staging buffers, one tile's recompute."""
     offloaded_per_layer_bytes: int = 0
     """With offloaded activations: each checkpointed layer's input, moved to host memory."""
+    layer_gradient_bytes: int = 0
+    """Gradients one layer's backward holds beside its saved tensors (its MLP's, 2 e.T.i untiled)."""
 
     def host(self, gradient_checkpointing: bool | str) -> int:
         """Host bytes of offloaded activations: every checkpointed layer's input, pinned (0 when
@@ -106,14 +117,20 @@ class ActivationEstimate:
         return kept + self.outside_layers_bytes + self.logits_saved_bytes
 
     def total(self, gradient_checkpointing: bool | str) -> int:
-        """The peak: saved tensors, what one layer recomputes in backward, the logits' peak."""
+        """The peak: saved tensors, then the larger of the loss's backward (the logits' peak) and one
+        layer's (its recompute, the transients, its gradients); the logits are freed before any layer's."""
+        return self.saved(gradient_checkpointing) - self.logits_saved_bytes + max(
+            self.logits_peak_bytes, self.layer_backward(gradient_checkpointing))
+
+    def layer_backward(self, gradient_checkpointing: bool | str) -> int:
+        """Bytes one layer's backward adds to what is saved: the layer recomputed (with checkpointing;
+        its input back from the host when offloaded), the transients, the gradients it holds."""
         mode = checkpointing_mode(gradient_checkpointing)
         recompute = {"none": 0, "full": self.per_layer_bytes,
                      "selective": max(0, self.per_layer_bytes - self.selective_per_layer_bytes)}[mode]
         if mode != "none":  # the recomputed layer's input, back from the host
             recompute += self.offloaded_per_layer_bytes
-        return (self.saved(mode) - self.logits_saved_bytes + recompute + self.transient_bytes
-                + self.logits_peak_bytes)
+        return recompute + self.transient_bytes + self.layer_gradient_bytes
 
 
 def checkpointing_mode(gradient_checkpointing: bool | str) -> str:
@@ -133,6 +150,14 @@ class LongSequence:
     """training.tiled_mlp: False; True (DeepSpeed's rule: tiles as long as the model is wide); or tokens per tile."""
     offload_activations: bool = False
     """training.offload_activations: checkpointed layers' inputs kept in host memory."""
+
+    @classmethod
+    def of_train_config(cls, cfg) -> LongSequence:
+        """The switches of a `zerotrain train` config (a TrainConfig): training.* and, for the
+        sequence-parallel size, its DeepSpeed section's sequence_parallel_size."""
+        t = cfg.training
+        sp = t.sequence_parallel_size if t.sequence_parallel_size > 1 else cfg.zero_dict().get("sequence_parallel_size", 1)
+        return cls(int(sp or 1), t.tiled_mlp, bool(t.offload_activations))
 
     def tile_tokens(self, tokens: int, hidden: int) -> int | None:
         """Tokens in one MLP tile for `tokens` rows (runtime/tiled_mlp.py's rule), None when not tiled."""
@@ -181,17 +206,24 @@ def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: to
         per_layer, outside, layers, vocab = _llama(model_config, b, s, e, attention)
         selective = _llama_selective(model_config, b, s, e, attention)
     transient = 0
+    if kind != "gpt2":  # rotary's cos and sin
+        outside += 2 * e * t * _heads(model_config)[2]
     if sp > 1:
         kernel_out, kv_extra, q_bytes = _ulysses_extra(model_config, t, e, sp)
         per_layer += kernel_out + kv_extra
         selective += kv_extra  # the kernel's output is kept by the policy already
         transient += 2 * q_bytes
+        # whole-sequence positions (gathered; the batch's), ids and labels beyond the slice's own
+        outside += 2 * 8 * b * seq_len + 2 * 8 * (b * seq_len - t)
+    mlp_width = (model_config.n_inner or 4 * model_config.n_embd) if kind == "gpt2" else model_config.intermediate_size
+    layer_gradients = 2 * e * t * mlp_width
     tile = long_sequence.tile_tokens(t, _hidden(model_config))
     if tile is not None:
         mlp_saved, mlp_selective, tile_peak = _tiled_mlp_savings(model_config, t, tile, e)
         per_layer -= mlp_saved
         selective -= mlp_selective
         transient += tile_peak
+        layer_gradients = 0  # a tile's gradients are in its peak
     outside += 8 * t  # token ids (int64), kept by the embedding
     if loss_chunk_tokens:  # a chunk's logits live only inside its checkpoint; the targets are kept
         c = min(t, loss_chunk_tokens)
@@ -212,6 +244,7 @@ def estimate_activations(model_config, seq_len: int, micro_batch: int, dtype: to
         attention=attention,
         transient_bytes=transient,
         offloaded_per_layer_bytes=e * t * _hidden(model_config) if long_sequence.offload_activations else 0,
+        layer_gradient_bytes=layer_gradients,
     )
 
 

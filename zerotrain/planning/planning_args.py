@@ -187,14 +187,13 @@ def long_sequence(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     from zerotrain.planning.activation_memory import LongSequence
 
     cfg = train_yaml(args)
-    training = cfg.training if cfg is not None else None
-    zero = cfg.zero_dict() if cfg is not None else (base or {})
-    sp = args.sequence_parallel or getattr(training, "sequence_parallel_size", None) \
-        or zero.get("sequence_parallel_size") or 1
-    tiled = args.tiled_mlp if args.tiled_mlp is not None else getattr(training, "tiled_mlp", False)
-    offload = args.offload_activations
-    if offload is None:
-        offload = bool(getattr(training, "offload_activations", False))
+    if cfg is not None:
+        yaml = LongSequence.of_train_config(cfg)
+    else:
+        yaml = LongSequence(int((base or {}).get("sequence_parallel_size") or 1))
+    sp = args.sequence_parallel or yaml.sequence_parallel
+    tiled = args.tiled_mlp if args.tiled_mlp is not None else yaml.tiled_mlp
+    offload = args.offload_activations if args.offload_activations is not None else yaml.offload_activations
     return LongSequence(int(sp), tiled, offload)
 
 

@@ -4,9 +4,11 @@ The model states come from `model_states_per_rank` (the engine's own bucket plan
 split by where the rung keeps them. The transient terms are the engine's buffers at their
 largest: whole-gradient buckets awaiting their reduce-scatter, stage 3's gathered units
 (the root unit stays gathered for the whole step; layers are gathered up to the live limit),
-the activations autograd saves, and the LM head's logits peak (`activation_memory`). The peak
-of a step is their sum: it falls at the start of backward, when every activation is saved, the
-logits and their gradient exist, and the first gradient buckets fill.
+the activations autograd saves, and the LM head's logits peak (`activation_memory`; when one
+layer's backward outgrows the logits' peak, which it never coexists with, "activations" holds the
+difference). The peak of a step is their sum: it falls early in backward, when every activation
+is saved, the logits and their gradient (or one layer's backward) exist, and the first gradient
+buckets fill.
 """
 
 from __future__ import annotations
@@ -62,6 +64,14 @@ class Workload:
     long_sequence: LongSequence = LongSequence()
     """Sequence parallelism, tiled MLP, offloaded activations (training.sequence_parallel_size,
     tiled_mlp, offload_activations); `micro_batch` then counts samples per sequence-parallel group."""
+
+    @classmethod
+    def of_train_config(cls, cfg, dtype: str) -> Workload:
+        """The workload of a `zerotrain train` config (a TrainConfig) at `dtype`: its sequence,
+        micro-batch, loss chunks and long-sequence switches."""
+        t = cfg.training
+        return cls(cfg.data.seq_len, t.micro_batch_size, dtype, loss_chunk_tokens=t.loss_chunk_tokens,
+                   long_sequence=LongSequence.of_train_config(cfg))
 
 
 @dataclass(frozen=True)

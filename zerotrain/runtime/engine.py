@@ -34,6 +34,7 @@ from zerotrain.runtime.throughput_timer import ThroughputTimer
 from zerotrain.runtime.wall_clock import WallClockBreakdown
 from zerotrain.sequence.enable import enable_sequence_parallel, require_global_positions
 from zerotrain.zero.grad_reducer import GradReducer
+from zerotrain.zero.leaf_modules import apply_leaf_module_config
 from zerotrain.zero.optimizer import ZeroOptimizer
 from zerotrain.zero.param_gatherer import ParamGatherer
 from zerotrain.zero.parameter_offload import ParameterOffload
@@ -75,11 +76,11 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.local_rank = read_launch_env().local_rank
         self.module = model.to(device)
+        apply_leaf_module_config(model, config.zero_optimization)  # ZeRO-3: before its units are chosen
         sp = config.sequence_parallel_size  # Ulysses: N consecutive ranks share each sequence
         self.sequence_groups = enable_sequence_parallel(model, sp) if sp > 1 else None
         self.plan = StagePlan(config.zero_optimization.stage)
         self.compute_dtype = config.compute_dtype
-
         trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
         options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         zero = config.zero_optimization
@@ -324,15 +325,15 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        strip_prefix: str | None = None,
     ) -> tuple[str | None, dict | None]:
-        """Restores a checkpoint saved at any world size and stage; returns (load_path, client_state)."""
+        """Restores a checkpoint saved at any world size and stage; returns (load_path, client_state).
+        `strip_prefix` (e.g. "module."): cut from the names of a DeepSpeed checkpoint of a wrapped model."""
         from zerotrain.checkpoint.loader import load_checkpoint
 
         self._settle_step()  # a pending outcome belongs to the state being replaced
-
-        return load_checkpoint(
-            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
-        )
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, strip_prefix)
 
     def save_16bit_model(
         self, save_dir, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False

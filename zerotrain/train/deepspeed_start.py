@@ -2,7 +2,9 @@
 
 Before any rank starts, `check_deepspeed_start` compares the checkpoint's trainable parameters
 with the model the YAML builds (names, then shapes, then the optimizer's param groups) and the
-step it is at with training.max_steps. Each rank then `continue_deepspeed_run`s: the engine loads
+step it is at with training.max_steps. Names that differ only by a wrapper's prefix (DDP-style
+`module.`, torch.compile's `_orig_mod.`, a script's own wrapper module's `model.`) are renamed
+on load (engine.load_checkpoint's strip_prefix). Each rank then `continue_deepspeed_run`s: the engine loads
 the weights, Adam moments and counters (engine.load_checkpoint); the YAML's learning-rate schedule
 is stepped to where DeepSpeed's stood (its own scheduler state is not taken: it may be another
 class, e.g. the HF Trainer's LambdaLR); the data continues after global_samples samples of
@@ -18,11 +20,6 @@ from typing import Any
 
 from zerotrain.train.run_folder import ResumePoint, RunFolderError
 from zerotrain.train.run_state import RunState
-
-# What wraps a model before DeepSpeed names its parameters: DDP-style `module.`, torch.compile's
-# `_orig_mod.`, or the user's own wrapper module's attribute (`model.`).
-_WRAPPER_HINT = "the model was wrapped (DDP, torch.compile or a module of the script's own) when DeepSpeed saved it"
-
 
 def deepspeed_names_and_shapes(tag_dir: Path) -> tuple[dict[str, tuple[int, ...]], int, dict]:
     """(trainable name -> shape, param group count, the model states file's counters) of a DeepSpeed
@@ -71,16 +68,12 @@ def check_deepspeed_start(cfg: Any, point: ResumePoint, config_path: str | None)
     ours = parameter_shapes(model, load_tokenizer(model.tokenizer, model.path, trust_remote_code=model.trust_remote_code))
     where = f"--resume-from {tag_dir}"
     missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-    if missing or extra:
-        prefix = name_prefix(set(ours), set(theirs))
-        if prefix is not None:
-            raise RunFolderError(
-                f"{where}: every parameter name there starts with {prefix!r} (e.g. {prefix + min(ours)!r} for this "
-                f"model's {min(ours)!r}): {_WRAPPER_HINT}. zerotrain does not rename on resume yet: save the "
-                "checkpoint from the unwrapped model (deepspeed.initialize(model=model.module or "
-                "model._orig_mod, ...)), or start from its weights alone: `zerotrain consolidate "
-                f"{shlex.quote(str(tag_dir.parent))} DIR --hf`, then model.path: DIR"
-            )
+    prefix = name_prefix(set(ours), set(theirs)) if missing or extra else None
+    if prefix is not None:  # the DeepSpeed run's model was wrapped: each rank's load strips it
+        print(f"{where}: every parameter name there starts with {prefix!r} (the DeepSpeed run's model was "
+              "wrapped): read without it", flush=True)
+        theirs = {name[len(prefix):]: shape for name, shape in theirs.items()}
+    elif missing or extra:
         raise RunFolderError(
             f"{where} holds another model than the YAML's `model` section builds: "
             f"{len(missing)} of this model's parameters are not there (first: {missing[:1]}) and {len(extra)} of "
@@ -116,7 +109,10 @@ def check_deepspeed_start(cfg: Any, point: ResumePoint, config_path: str | None)
 def continue_deepspeed_run(engine: Any, batches: Any, point: ResumePoint, seq_len: int) -> tuple[str, RunState]:
     """Loads the DeepSpeed checkpoint into `engine` and puts the schedule and `batches` where the
     DeepSpeed run stood. Returns (the tag folder loaded, the run state to continue from)."""
-    path, _client = engine.load_checkpoint(point.deepspeed, load_lr_scheduler_states=False)
+    ours = {name for flat in engine.flat_params for name in flat.names}  # trainable, as the loader names them
+    theirs = set(deepspeed_names_and_shapes(point.deepspeed)[0])
+    prefix = name_prefix(ours, theirs) if ours != theirs else None  # as check_deepspeed_start found it
+    path, _client = engine.load_checkpoint(point.deepspeed, load_lr_scheduler_states=False, strip_prefix=prefix)
     steps, samples = int(engine.global_steps), int(engine.global_samples)
     if engine.lr_scheduler is not None:
         with warnings.catch_warnings():  # torch's "scheduler stepped before the optimizer" does not apply

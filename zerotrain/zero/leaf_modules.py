@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from zerotrain.config.errors import ConfigError
+from zerotrain.config.zero_schema import DEFAULT_LEAF_MODULE_CLASSES, LeafModuleConfig, ZeroConfig
+
 LEAF_FLAG = "_z3_leaf"
 """The attribute DeepSpeed sets on a leaf module (True) or clears (False)."""
 
@@ -47,6 +50,36 @@ def unset_z3_leaf_modules(
 ) -> list[nn.Module]:
     """Clears the flag `set_z3_leaf_modules` set; returns the modules matched."""
     return _flag(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def apply_leaf_module_config(model: nn.Module, zero: ZeroConfig) -> list[nn.Module]:
+    """At ZeRO-3, flags the modules `zero.leaf_module` names as leaves, as DeepSpeed's engine does when
+    it is built: of its classes (unset: DeepSpeed's default MoE blocks), its names (as named_modules()
+    gives them) and its name suffixes. Returns the modules flagged (none below stage 3: no units there).
+    ConfigError for a name or suffix that matches no module, and for classes of the user's own of
+    which none is in the model: the section would silently do nothing."""
+    if zero.stage != 3:
+        return []
+    section = zero.leaf_module or LeafModuleConfig()
+    where = "zero_optimization.leaf_module"
+    named = dict(model.named_modules())
+    by_class = _flag(model, section.classes, True, raise_if_not_found=False)
+    if section.classes and not by_class and section.classes != DEFAULT_LEAF_MODULE_CLASSES:
+        raise ConfigError(f"{where}.classes: no module of {section.classes} in the model ({type(model).__name__}): "
+                          "give the class of its mixture-of-experts block (e.g. MixtralSparseMoeBlock), or remove it")
+    missing = [n for n in section.names if n not in named]
+    unmatched = [s for s in section.name_suffixes if not any(n.endswith(s) for n in named)]
+    if missing or unmatched:
+        key, wrong = ("names", missing) if missing else ("name_suffixes", unmatched)
+        example = max(named, key=lambda n: n.count("."))
+        raise ConfigError(f"{where}.{key}: {wrong} match no module of the model ({type(model).__name__}): give names "
+                          f"as model.named_modules() has them (e.g. {example!r}), or remove them")
+    chosen = {id(m): m for m in by_class}
+    chosen.update((id(named[n]), named[n]) for n in section.names)
+    chosen.update((id(m), m) for s in section.name_suffixes for n, m in named.items() if n.endswith(s))
+    for module in chosen.values():
+        set_z3_leaf_module(module, True)
+    return list(chosen.values())
 
 
 def within_leaf_modules(model: nn.Module) -> set[int]:

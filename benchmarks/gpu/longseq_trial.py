@@ -1,0 +1,138 @@
+"""One trial of the long-sequence part, in a process of its own: one shape, one mode, one length, 3 steps.
+
+Run by longseq.py (never imported by it: a CUDA OOM or a host-memory kill ends this process
+only). A world of one: NCCL on the GPU, Gloo on the CPU (dry mode). The model is built on the
+compute device in bf16 (random weights, seeded), then the mode's switches go on in the order
+`zerotrain train` applies them (zerotrain/train/trainer.py): checkpointing (non-reentrant), the
+chunked loss, the tiled MLP, activation offload; then `zerotrain.initialize` with the planner's
+ZeRO-3 config. Writes one JSON file, `--out`: status "ok" with step times and peak memory, or
+"failed" with the reason (size_trial.classify's: "CUDA OOM", "host memory" or "error").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from size_trial import classify, enable_checkpointing, rss_bytes
+
+
+def build(shape: dict, sw: dict, seq: int, device, seed: int):
+    """The mode's model on `device`, in bf16, with its switches on (see the module docstring)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from longseq_shapes import hf_config
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(hf_config(shape, seq))
+    finally:
+        torch.set_default_dtype(default)
+    enable_checkpointing(model)
+    if sw["loss_chunk_tokens"]:
+        from zerotrain.runtime.chunked_loss import enable_chunked_loss
+        enable_chunked_loss(model, sw["loss_chunk_tokens"])
+    if sw["tiled_mlp"]:
+        from zerotrain.runtime.tiled_mlp import enable_tiled_mlp
+        enable_tiled_mlp(model, None if sw["tiled_mlp"] is True else sw["tiled_mlp"])
+    if sw["offload_activations"]:
+        from zerotrain.runtime.activation_offload import enable_activation_offload
+        enable_activation_offload(model)
+    return model
+
+
+def run(args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import zerotrain
+
+    t_start = time.perf_counter()
+    phase = "startup"
+    result: dict = {"status": "failed", "seq": args.seq}
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=0, world_size=1)
+        import transformers  # noqa: F401 - its memory belongs to the baseline, not to the trial's growth
+
+        result["baseline_rss_bytes"] = rss_bytes()
+        Path(args.out + ".baseline").write_text(str(result["baseline_rss_bytes"]))  # for the driver's watcher
+        phase = "build"
+        model = build(args.shape, args.switches, args.seq, device, args.seed)
+        phase = "initialize"
+        engine = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=args.config)[0]
+        del model
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        vocab = args.shape["vocab"]
+        gen = torch.Generator().manual_seed(args.seed)
+        times, losses = [], []
+        for step in range(args.steps):
+            phase = f"step {step + 1}"
+            ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach().float()))
+            print(f"[longseq-trial] seq {args.seq} {phase}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
+        timed = times[1:] or times  # step 1 also allocates the optimizer state
+        result.update(status="ok", step_s=times, losses=losses, median_step_s=sorted(timed)[len(timed) // 2],
+                      tokens_per_s=args.seq * len(timed) / sum(timed))
+        if cuda:
+            result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            result["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        if not all(math.isfinite(x) for x in losses):
+            result.update(status="failed", reason="error", error=f"non-finite loss {losses}")
+    except BaseException as exc:  # noqa: BLE001 - every failure is a result to report
+        result.update(reason=classify(exc), phase=phase, error=f"{type(exc).__name__}: {exc}"[-2000:])
+        traceback.print_exc()
+    result["host_peak_rss_bytes"] = rss_bytes("VmHWM")
+    result["wall_s"] = time.perf_counter() - t_start
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=json.loads, required=True, help="longseq_shapes.Shape.as_dict() as JSON")
+    p.add_argument("--switches", type=json.loads, required=True, help="longseq_shapes.switches() as JSON")
+    p.add_argument("--config", type=json.loads, required=True, help="the DeepSpeed-format config, JSON")
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    result = run(args)
+    tmp = Path(args.out + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(args.out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if result["status"] == "ok" else 3)  # no teardown: NCCL's exit hooks can hang after an OOM
+
+
+if __name__ == "__main__":
+    main()
