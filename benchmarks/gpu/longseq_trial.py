@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 import time
 import traceback
@@ -22,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from size_trial import classify, enable_checkpointing, rss_bytes
+from size_trial import classify, enable_checkpointing, rss_bytes, start_world_of_one, timed_steps, write_result_and_exit
 
 
 def build(shape: dict, sw: dict, seq: int, device, seed: int):
@@ -55,7 +53,6 @@ def build(shape: dict, sw: dict, seq: int, device, seed: int):
 
 def run(args) -> dict:
     import torch
-    import torch.distributed as dist
 
     import zerotrain
 
@@ -65,10 +62,7 @@ def run(args) -> dict:
     cuda = args.device == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     try:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=0, world_size=1)
+        start_world_of_one(device)
         import transformers  # noqa: F401 - its memory belongs to the baseline, not to the trial's growth
 
         result["baseline_rss_bytes"] = rss_bytes()
@@ -81,33 +75,9 @@ def run(args) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        vocab = args.shape["vocab"]
-        gen = torch.Generator().manual_seed(args.seed)
-        times, losses = [], []
-        for step in range(args.steps):
-            phase = f"step {step + 1}"
-            ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach().float()))
-            print(f"[longseq-trial] seq {args.seq} {phase}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
-        timed = times[1:] or times  # step 1 also allocates the optimizer state
-        result.update(status="ok", step_s=times, losses=losses, median_step_s=sorted(timed)[len(timed) // 2],
-                      tokens_per_s=args.seq * len(timed) / sum(timed))
-        if cuda:
-            result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-            result["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        if not all(math.isfinite(x) for x in losses):
-            result.update(status="failed", reason="error", error=f"non-finite loss {losses}")
+        timed_steps(engine, (1, args.seq), args.shape["vocab"], args, device, result, f"[longseq-trial] seq {args.seq}")
     except BaseException as exc:  # noqa: BLE001 - every failure is a result to report
-        result.update(reason=classify(exc), phase=phase, error=f"{type(exc).__name__}: {exc}"[-2000:])
+        result.update(reason=classify(exc), phase=result.get("phase", phase), error=f"{type(exc).__name__}: {exc}"[-2000:])
         traceback.print_exc()
     result["host_peak_rss_bytes"] = rss_bytes("VmHWM")
     result["wall_s"] = time.perf_counter() - t_start
@@ -125,13 +95,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    result = run(args)
-    tmp = Path(args.out + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(args.out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if result["status"] == "ok" else 3)  # no teardown: NCCL's exit hooks can hang after an OOM
+    write_result_and_exit(run(args), args.out)
 
 
 if __name__ == "__main__":

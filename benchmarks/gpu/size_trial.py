@@ -125,9 +125,63 @@ def classify(exc: BaseException) -> str:
     return "error"
 
 
-def run(args) -> dict:
+def start_world_of_one(device) -> None:
+    """This trial's threads (OMP_NUM_THREADS), device, and a default group of one: NCCL or Gloo."""
     import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=0, world_size=1)
+
+
+def timed_steps(engine, batch_shape: tuple[int, int], vocab: int, args, device, result: dict, label: str) -> None:
+    """args.steps training steps on seeded random tokens, each timed to the device's end; fills `result`
+    with status "ok" (or "failed" on a non-finite loss), step times, losses, tokens/s and the GPU's peaks."""
+    import torch
+
+    cuda = device.type == "cuda"
+    gen = torch.Generator().manual_seed(args.seed)
+    times, losses = [], []
+    for step in range(args.steps):
+        result["phase"] = f"step {step + 1}"  # where a failure happened, for the caller's report
+        ids = torch.randint(0, vocab, batch_shape, generator=gen).to(device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach().float()))
+        print(f"{label} step {step + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
+    del result["phase"]
+    timed = times[1:] or times  # step 1 warms up (allocates the optimizer state, autotunes kernels)
+    result.update(status="ok", step_s=times, losses=losses, median_step_s=sorted(timed)[len(timed) // 2],
+                  tokens_per_s=math.prod(batch_shape) * len(timed) / sum(timed))
+    if cuda:
+        result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    if not all(math.isfinite(x) for x in losses):
+        result.update(status="failed", reason="error", error=f"non-finite loss {losses}")
+
+
+def write_result_and_exit(result: dict, out: str) -> None:
+    """The result file, replaced whole; then exit without interpreter teardown (exit hooks of
+    NCCL/DeepSpeed add seconds and can hang after an OOM): 0 when the trial trained, else 3."""
+    tmp = Path(out + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if result["status"] == "ok" else 3)
+
+
+def run(args) -> dict:
+    import torch
     from size_ladder import ds_config, hf_config
 
     t_start = time.perf_counter()
@@ -136,11 +190,8 @@ def run(args) -> dict:
     cuda = args.device == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     try:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
-        if cuda:
-            torch.cuda.set_device(device)
         # Both engines reuse an initialized default group; one group for both keeps them alike.
-        dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=0, world_size=1)
+        start_world_of_one(device)
         # The libraries' own memory belongs to the baseline, not to what the trial grows by.
         for lib in ("transformers", "zerotrain", *(("deepspeed",) if args.engine == "deepspeed" else ())):
             importlib.import_module(lib)
@@ -162,33 +213,10 @@ def run(args) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         result["build_s"] = time.perf_counter() - t0
         result["host_rss_after_build_bytes"] = rss_bytes()
-        gen = torch.Generator().manual_seed(args.seed)
-        times, losses = [], []
-        for step in range(args.steps):
-            phase = f"step {step + 1}"
-            ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=gen).to(device)
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach().float()))
-            print(f"[size-trial] {phase}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
-        timed = times[1:] or times  # step 1 warms up (allocates the optimizer state, autotunes kernels)
-        tokens = args.micro_batch * args.seq * len(timed)
-        result.update(status="ok", step_s=times, losses=losses, tokens_per_s=tokens / sum(timed))
-        if cuda:
-            result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-            result["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        if not all(math.isfinite(x) for x in losses):
-            result.update(status="failed", reason="error", error=f"non-finite loss {losses}")
+        timed_steps(engine, (args.micro_batch, args.seq), cfg.vocab_size, args, device, result, "[size-trial]")
     except BaseException as exc:  # noqa: BLE001 - every failure is a result to report
         text = f"{type(exc).__name__}: {exc}"
-        result.update(reason=classify(exc), phase=phase, error=text[-2000:])
+        result.update(reason=classify(exc), phase=result.get("phase", phase), error=text[-2000:])
         traceback.print_exc()
     result["host_peak_rss_bytes"] = rss_bytes("VmHWM")
     result["wall_s"] = time.perf_counter() - t_start
@@ -212,14 +240,7 @@ def main() -> None:
     if args.probe:
         print(json.dumps(probe()), flush=True)
         return
-    result = run(args)
-    tmp = Path(args.out + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(args.out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # No interpreter teardown: exit hooks of NCCL/DeepSpeed add seconds and can hang after an OOM.
-    os._exit(0 if result["status"] == "ok" else 3)
+    write_result_and_exit(run(args), args.out)
 
 
 if __name__ == "__main__":
