@@ -81,5 +81,39 @@ def test_offload_lets_go_of_layer_inputs_and_recomputes_from_cpu_copies():
 
 
 def test_offload_without_checkpointing_says_to_turn_checkpointing_on():
-    with pytest.raises(ConfigError, match="no layer of LlamaForCausalLM is checkpointed.*gradient_checkpointing: true"):
+    with pytest.raises(ConfigError, match="^training.offload_activations .* no layer of LlamaForCausalLM is "
+                                          "checkpointed: enable gradient checkpointing first"):
         enable_activation_offload(_tiny_llama())
+
+
+def _engine(model: nn.Module, **extra) -> object:
+    import zerotrain
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 2}, **extra}
+    return zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+
+def test_the_deepspeed_configs_cpu_checkpointing_offloads_the_models_checkpointed_layers():
+    """The DeepSpeed face: activation_checkpointing.cpu_checkpointing on a model the user (or the HF
+    Trainer) checkpointed before initialize: its layers are offloaded, and a step trains bitwise alike."""
+    from zerotrain.runtime.activation_offload import OFFLOAD_MARK
+
+    losses = {}
+    for offload in (False, True):
+        model = _tiny_llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        extra = {"activation_checkpointing": {"cpu_checkpointing": True}} if offload else {}
+        engine = _engine(model, **extra)
+        assert all(getattr(layer, OFFLOAD_MARK, False) is offload for layer in model.model.layers)
+        engine.train()
+        loss = engine(input_ids=IDS, labels=IDS).loss
+        engine.backward(loss)
+        engine.step()
+        losses[offload] = [loss.detach(), engine(input_ids=IDS, labels=IDS).loss.detach()]
+    assert all(torch.equal(a, b) for a, b in zip(losses[False], losses[True]))
+
+
+def test_cpu_checkpointing_on_a_model_without_checkpointing_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"activation_checkpointing\.cpu_checkpointing offloads .* no layer"):
+        _engine(_tiny_llama(), activation_checkpointing={"cpu_checkpointing": True})

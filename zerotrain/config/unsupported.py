@@ -137,7 +137,7 @@ NOT_YET_BUILT: tuple[NotYetBuilt, ...] = (
     NotYetBuilt(
         "DeepSpeed activation checkpointing",
         "activation_checkpointing",
-        _non_default("activation_checkpointing", ActivationCheckpointingConfig()),
+        _non_default("activation_checkpointing", ActivationCheckpointingConfig(), honoured=("cpu_checkpointing",)),
         "remove the activation_checkpointing section or leave it empty; for a Hugging Face model "
         "call model.gradient_checkpointing_enable() instead",
     ),

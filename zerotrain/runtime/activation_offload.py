@@ -71,23 +71,26 @@ def offloading_checkpoint(checkpoint_fn: Callable[..., Any]) -> Callable[..., An
     return checkpoint
 
 
-def enable_activation_offload(model: nn.Module) -> int:
+def enable_activation_offload(model: nn.Module, setting: str = "training.offload_activations") -> int:
     """Offloads the input of every checkpointed layer of `model` to the CPU; returns how many layers.
 
-    Call after activation checkpointing is enabled (`enable_gradient_checkpointing`), whole or
-    selective; ConfigError when no layer is checkpointed (nothing would be offloaded).
+    Call after activation checkpointing is enabled (`enable_gradient_checkpointing`, or the HF model's
+    `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`), whole or
+    selective; ConfigError, naming `setting` (the key that asked), when no layer is checkpointed
+    (nothing would be offloaded) or checkpointing is reentrant.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
     if not layers:
-        raise ConfigError("training.offload_activations offloads the inputs of checkpointed layers, and no layer of "
-                          f"{type(model).__name__} is checkpointed: set training.gradient_checkpointing: true "
-                          "(or selective), or training.offload_activations: false")
+        raise ConfigError(f"{setting} offloads the inputs of checkpointed layers, and no layer of "
+                          f"{type(model).__name__} is checkpointed: enable gradient checkpointing first "
+                          f"(training.gradient_checkpointing, or the model's gradient_checkpointing_enable()), "
+                          f"or set {setting} to false")
     for layer in layers:
         if getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant", False):
-            raise ConfigError("training.offload_activations needs non-reentrant checkpointing (use_reentrant=False, "
-                              "zerotrain's own); enable checkpointing with enable_gradient_checkpointing")
+            raise ConfigError(f"{setting} needs non-reentrant checkpointing: enable it with "
+                              "gradient_checkpointing_kwargs={'use_reentrant': False} (zerotrain train's own is)")
         if not getattr(layer, OFFLOAD_MARK, False):
             layer._gradient_checkpointing_func = offloading_checkpoint(layer._gradient_checkpointing_func)
             setattr(layer, OFFLOAD_MARK, True)

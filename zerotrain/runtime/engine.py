@@ -25,6 +25,7 @@ from zerotrain.comm.distributed import read_launch_env
 from zerotrain.comm.fault_points import fault_point
 from zerotrain.runtime.compile import CompileMixin
 from zerotrain.runtime.engine_accessors import DeepSpeedAccessors
+from zerotrain.runtime.model_options import apply_model_options
 from zerotrain.optim import build_optimizer, build_scheduler
 from zerotrain.runtime.precision import DeviceLossScaler, build_loss_scaler
 from zerotrain.runtime.step_settlement import StepSettlement
@@ -32,9 +33,8 @@ from zerotrain.profiling.engine_profiler import EngineFlopsProfiler
 from zerotrain.comm.teardown import own_group
 from zerotrain.runtime.throughput_timer import ThroughputTimer
 from zerotrain.runtime.wall_clock import WallClockBreakdown
-from zerotrain.sequence.enable import enable_sequence_parallel, require_global_positions
+from zerotrain.sequence.enable import require_global_positions
 from zerotrain.zero.grad_reducer import GradReducer
-from zerotrain.zero.leaf_modules import apply_leaf_module_config
 from zerotrain.zero.optimizer import ZeroOptimizer
 from zerotrain.zero.param_gatherer import ParamGatherer
 from zerotrain.zero.parameter_offload import ParameterOffload
@@ -76,9 +76,7 @@ class Engine(DeepSpeedAccessors, StepSettlement, CompileMixin, nn.Module):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.local_rank = read_launch_env().local_rank
         self.module = model.to(device)
-        apply_leaf_module_config(model, config.zero_optimization)  # ZeRO-3: before its units are chosen
-        sp = config.sequence_parallel_size  # Ulysses: N consecutive ranks share each sequence
-        self.sequence_groups = enable_sequence_parallel(model, sp) if sp > 1 else None
+        self.sequence_groups = apply_model_options(model, config)  # leaf modules, activation offload, Ulysses
         self.plan = StagePlan(config.zero_optimization.stage)
         self.compute_dtype = config.compute_dtype
         trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
