@@ -32,7 +32,7 @@ RELATIVE_TOLERANCE = 1e-6
 @pytest.mark.parametrize("case", ["trainer_zero2_fp32", "trainer_zero3_fp32"])
 def test_trainer_resumes_a_deepspeed_written_checkpoint_as_deepspeed_continues_it(tmp_path, case):
     fixture = json.loads((CLIENTS / case / "fixture.json").read_text())
-    for name in (fixture["script"], fixture["config"]):
+    for name in (fixture["script"], fixture["config"], "tiny_llama.py"):  # the script imports its model
         shutil.copy(CLIENTS / name, tmp_path)
     shutil.copytree(CLIENTS / case / fixture["checkpoint"], tmp_path / fixture["checkpoint"])
     command = [zerotrain_script(), "launch", "--num_gpus", "2", "--master_port", str(free_port()),
@@ -53,7 +53,7 @@ def test_trainer_resumes_a_deepspeed_written_checkpoint_as_deepspeed_continues_i
 
 def test_accelerate_load_state_resumes_a_deepspeed_written_state_as_deepspeed_continues_it(tmp_path):
     fixture = json.loads((CLIENTS / "accelerate_zero2_fp32" / "fixture.json").read_text())
-    for name in (fixture["script"], fixture["config"]):
+    for name in (fixture["script"], fixture["config"], "tiny_llama.py"):  # the script imports its model
         shutil.copy(CLIENTS / name, tmp_path)
     shutil.copytree(CLIENTS / "accelerate_zero2_fp32" / fixture["state"], tmp_path / "state")
     command = [zerotrain_script(), "run", "accelerate", "launch", "--config_file", fixture["config"],

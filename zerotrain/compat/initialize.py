@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from zerotrain.config import ConfigError, load_config, resolve_config
+from zerotrain.config.auto import BatchSizeMismatch
 from zerotrain.comm.distributed import device_for, init_distributed
 
 
@@ -74,8 +75,8 @@ def initialize(
         cfg = with_sequence_parallel_of(cfg, mpu)
     try:
         cfg = resolve_config(cfg, world_size=torch.distributed.get_world_size(), model=model)
-    except ConfigError as error:
-        if cfg.sequence_parallel_size > 1 and mpu is not None and "do not multiply out" in str(error):
+    except BatchSizeMismatch as error:
+        if cfg.sequence_parallel_size > 1 and mpu is not None:
             raise ConfigError(f"{error}. {ACCELERATE_SP_BATCH_HINT}") from None
         raise
 

@@ -35,6 +35,11 @@ HIDDEN_SIZE_RULES: dict[str, Callable[[int], int]] = {
 }
 
 
+class BatchSizeMismatch(ConfigError):
+    """train_batch_size is not micro-batch x accumulation x the data-parallel width (callers add what
+    their users set to fix it)."""
+
+
 def resolve_batch_sizes(
     train: int | None, micro: int | None, gas: int | None, world_size: int
 ) -> tuple[int, int, int]:
@@ -78,7 +83,7 @@ def resolve_batch_sizes(
             f"gradient_accumulation_steps {gas}: choose values with train = micro × accumulation × world size"
         )
     if train != micro * gas * world_size:
-        raise ConfigError(f"batch sizes do not multiply out: {numbers}")
+        raise BatchSizeMismatch(f"batch sizes do not multiply out: {numbers}")
     return train, micro, gas
 
 

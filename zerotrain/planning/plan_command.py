@@ -123,16 +123,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         gpus_from = _resolve_gpu_count(args)
         batch_from = _global_batch(args)
-        per_node = args.gpus_per_node or min(args.gpus, 8)
-        if args.gpus % per_node:
-            raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {per_node}")
-        if args.gpu_memory is None:
-            raise ValueError("--gpu-memory is required: a plan needs to know what fits, e.g. --gpu-memory 80GiB")
-        # A plan never recommends what it did not check: without --cpu-memory, this machine's memory
-        # is each node's (a rung offloading 1 TiB to a 64 GiB machine used to come out "fits").
-        assumed_cpu = args.cpu_memory is None and pa.this_machine_memory()
-        if assumed_cpu:
-            args.cpu_memory = assumed_cpu
+        per_node, assumed_cpu = _node_layout(args, "a plan needs to know what fits")
         model = pa.load_model(args)
         base = pa.base_config(args)
         hardware = pa.hardware(per_node, args.gpus // per_node, args)
@@ -168,11 +159,7 @@ def run_plan(args: argparse.Namespace) -> int:
     for line in assumed + assumed_speed:
         print(line)
     total, _ = count_parameters(model)
-    if assumed_cpu:
-        from zerotrain.config.byte_sizes import format_bytes
-
-        print(f"CPU memory per node: {format_bytes(assumed_cpu)}, this machine's (no --cpu-memory given; "
-              "set it to plan for other nodes)")
+    _say_assumed_cpu(assumed_cpu)
     from zerotrain.planning.model_source import assumed_sizes, parse_config_overrides
 
     sizes = assumed_sizes(args.model, model, parse_config_overrides(args.config_overrides))
@@ -208,14 +195,7 @@ def _run_max_seq_len(args: argparse.Namespace) -> int:
 
     try:
         gpus_from = _resolve_gpu_count(args)
-        per_node = args.gpus_per_node or min(args.gpus, 8)
-        if args.gpus % per_node:
-            raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {per_node}")
-        if args.gpu_memory is None:
-            raise ValueError("--gpu-memory is required: the longest sequence is what fits it, e.g. --gpu-memory 80GiB")
-        assumed_cpu = args.cpu_memory is None and pa.this_machine_memory()
-        if assumed_cpu:  # offloaded activations are checked against host memory: never unchecked
-            args.cpu_memory = assumed_cpu
+        per_node, assumed_cpu = _node_layout(args, "the longest sequence is what fits it")
         model = pa.load_model(args)
         base = pa.base_config(args)
         hardware = pa.hardware(per_node, args.gpus // per_node, args)
@@ -229,16 +209,38 @@ def _run_max_seq_len(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"assumed": assumed, **report["json"]}, indent=2))
         return 0 if report["ok"] else 1
-    from zerotrain.config.byte_sizes import format_bytes
-
     total, _ = count_parameters(model)
     for line in assumed:
         print(line)
-    if assumed_cpu:
-        print(f"CPU memory per node: {format_bytes(assumed_cpu)}, this machine's (no --cpu-memory given; "
-              "set it to plan for other nodes)")
+    _say_assumed_cpu(assumed_cpu)
     print(describe_hardware(args.model, total, hardware, workload) + report["text"], end="")
     return 0 if report["ok"] else 1
+
+
+def _node_layout(args: argparse.Namespace, why_gpu_memory: str) -> tuple[int, int | None]:
+    """GPUs per node, and the host memory per node assumed from this machine when --cpu-memory is not
+    given (then set on `args`); ValueError for a GPU count that is not whole nodes or no --gpu-memory."""
+    from zerotrain.planning import planning_args as pa
+
+    per_node = args.gpus_per_node or min(args.gpus, 8)
+    if args.gpus % per_node:
+        raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {per_node}")
+    if args.gpu_memory is None:
+        raise ValueError(f"--gpu-memory is required: {why_gpu_memory}, e.g. --gpu-memory 80GiB")
+    # A plan never recommends what it did not check: without --cpu-memory, this machine's memory
+    # is each node's (a rung offloading 1 TiB to a 64 GiB machine used to come out "fits").
+    assumed_cpu = args.cpu_memory is None and pa.this_machine_memory()
+    if assumed_cpu:
+        args.cpu_memory = assumed_cpu
+    return per_node, assumed_cpu or None
+
+
+def _say_assumed_cpu(assumed_cpu: int | None) -> None:
+    if assumed_cpu:
+        from zerotrain.config.byte_sizes import format_bytes
+
+        print(f"CPU memory per node: {format_bytes(assumed_cpu)}, this machine's (no --cpu-memory given; "
+              "set it to plan for other nodes)")
 
 
 def _assumed_lines(args: argparse.Namespace, base: dict | None, gpus_from: str | None,
