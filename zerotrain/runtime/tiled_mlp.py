@@ -63,7 +63,7 @@ class TiledMLPFunction(torch.autograd.Function):
         grad_rows = grad_output.reshape(-1, grad_output.shape[-1])
         grad_x = torch.empty_like(rows) if wants_x else None
         sums: list[torch.Tensor | None] = [None] * len(params)
-        with _restored_rng(ctx.rng_state, x.device), torch.enable_grad():
+        with restored_rng(ctx.rng_state, x.device), torch.enable_grad():
             start = 0
             for tile in rows.split(ctx.tile_rows):
                 tile = tile.detach().requires_grad_(wants_x)
@@ -90,7 +90,12 @@ def _checked(output: Any, tile: torch.Tensor) -> torch.Tensor:
     return output
 
 
-class _restored_rng:
+def rng_state(device: torch.device) -> tuple:
+    """The CPU random state and, on a GPU, `device`'s: what `restored_rng` puts back for a recompute."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+class restored_rng:
     """The random states of the forward, for the recompute of an MLP with dropout (its masks then match)."""
 
     def __init__(self, state: tuple | None, device: torch.device) -> None:
@@ -150,10 +155,7 @@ def _tile(mlp: nn.Module, tile_tokens: int | None) -> None:
             tile_rows = -(-rows // tile_count(hidden_states.shape[-2], hidden_states.shape[-1], None))
         else:
             tile_rows = tile_tokens
-        rng = None
-        if has_dropout and mlp.training:
-            device = hidden_states.device
-            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        rng = rng_state(hidden_states.device) if has_dropout and mlp.training else None
         return TiledMLPFunction.apply(own_forward, hidden_states, tile_rows, rng, *params)
 
     mlp.forward = forward

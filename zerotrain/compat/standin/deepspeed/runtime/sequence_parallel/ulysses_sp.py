@@ -1,10 +1,11 @@
 """`deepspeed.runtime.sequence_parallel.ulysses_sp` (DeepSpeed 0.19.8's ALST names), on zerotrain.
 
 The work is in zerotrain/sequence (attention, groups, batch slices) and zerotrain/compat
-(`ulysses_hf.py`, `tiled_compute.py`); these are DeepSpeed's names and signatures for it.
+(`ulysses_hf.py`, `tiled_compute.py`, `tiled_logits_loss.py`); these are DeepSpeed's names and signatures for it.
 """
 
-from zerotrain.compat.tiled_compute import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute  # noqa: F401
+from zerotrain.compat.tiled_compute import TiledMLP, sequence_tiled_compute  # noqa: F401
+from zerotrain.compat.tiled_logits_loss import TiledFusedLogitsLoss  # noqa: F401
 from zerotrain.compat.ulysses_hf import register_with_transformers as _register
 from zerotrain.sequence.peer_batches import PeerBatchLoader
 
