@@ -57,26 +57,31 @@ def _row_loss_sum(model, batch: dict, row: int) -> tuple[torch.Tensor, torch.Ten
     return total, (targets != -100).sum()
 
 
-def reference_step(kv_heads: int, sp: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """sp = 1: per data-parallel group, the token-weighted mean over its rows; the dp average's
-    gradient; one SGD step. Returns the group losses and the gradients ((w0 - w1) / LR)."""
+def reference_step(kv_heads: int, sp: int, world: int, gas: int = 1) -> tuple[list[list[float]], dict]:
+    """sp = 1: per data-parallel group and micro-step, the token-weighted mean over its rows; the
+    average over groups and micro-steps' gradient; one SGD step. Returns each group's micro-step
+    losses and the gradients ((w0 - w1) / LR)."""
     model = make_model(kv_heads)
     w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     dp = world // sp
-    batch, micro = global_batch(), ROWS // (world // sp)
+    batch, micro = global_batch(), ROWS // (dp * gas)
     losses = []
     for group in range(dp):
-        parts = [_row_loss_sum(model, batch, r) for r in range(group * micro, (group + 1) * micro)]
-        loss = sum(t for t, _ in parts) / sum(c for _, c in parts)
-        (loss / dp).backward()
-        losses.append(loss.item())
+        losses.append([])
+        for step in range(gas):
+            first = (group * gas + step) * micro
+            parts = [_row_loss_sum(model, batch, r) for r in range(first, first + micro)]
+            loss = sum(t for t, _ in parts) / sum(c for _, c in parts)
+            (loss / (dp * gas)).backward()
+            losses[-1].append(loss.item())
     torch.optim.SGD(model.parameters(), lr=LR).step()
     return losses, {n: (w0[n] - p.detach()) / LR for n, p in model.named_parameters()}
 
 
-def engine_step(kv_heads: int, sp: int, stage: int, offload: dict | None = None) -> dict:
-    """This rank's part of one engine step at sequence_parallel_size `sp`: its loss and the
-    gradients ((w0 - w1) / LR, gathered whole)."""
+def engine_step(kv_heads: int, sp: int, stage: int, offload: dict | None = None, gas: int = 1,
+                dtype: str = "fp32") -> dict:
+    """This rank's part of one engine step at sequence_parallel_size `sp` over `gas` micro-steps: its
+    micro-step losses and the gradients ((w0 - w1) / LR, gathered whole)."""
     import torch.distributed as dist
 
     import zerotrain
@@ -90,31 +95,36 @@ def engine_step(kv_heads: int, sp: int, stage: int, offload: dict | None = None)
     zero = {"stage": stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
             "stage3_param_persistence_threshold": 0, **(offload or {})}
     config = {
-        "train_batch_size": ROWS, "sequence_parallel_size": sp,
+        "train_batch_size": ROWS, "gradient_accumulation_steps": gas, "sequence_parallel_size": sp,
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "zero_optimization": zero, "steps_per_print": 1000,
+        **({dtype: {"enabled": True}} if dtype != "fp32" else {}),
     }
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     groups = engine.sequence_groups
     micro = engine.train_micro_batch_size_per_gpu()
-    rows = slice(groups.data_parallel_rank * micro, (groups.data_parallel_rank + 1) * micro)
-    local = shard_batch({k: v[rows] for k, v in global_batch().items()}, groups.rank, sp)
-    targets = local.pop("shift_labels")
-    try:
-        engine(input_ids=local["input_ids"])
-        missing_positions = "accepted"
-    except SequenceParallelError as error:
-        missing_positions = str(error)
-    loss = sequence_parallel_loss(engine(**local).logits, targets, groups.sequence_group)
-    engine.backward(loss)
-    engine.step()
+    losses, local_targets, missing_positions = [], 0, "accepted"
+    for step in range(gas):
+        first = (groups.data_parallel_rank * gas + step) * micro
+        local = shard_batch({k: v[first : first + micro] for k, v in global_batch().items()}, groups.rank, sp)
+        targets = local.pop("shift_labels")
+        if step == 0:
+            try:
+                engine(input_ids=local["input_ids"])
+            except SequenceParallelError as error:
+                missing_positions = str(error)
+        loss = sequence_parallel_loss(engine(**local).logits, targets, groups.sequence_group)
+        engine.backward(loss)
+        engine.step()  # a step only at the last micro-step
+        losses.append(loss.item())
+        local_targets += int((targets != -100).sum())
     with GatheredParameters(list(engine.module.parameters())):
         grads = {n: (w0[n] - p.detach().float()) / LR for n, p in engine.module.named_parameters()}
     uninstall_ulysses_attention("sdpa")
     engine.destroy()
     dist.barrier()
-    return {"loss": loss.item(), "grads": grads, "dp_rank": groups.data_parallel_rank,
-            "local_targets": int((targets != -100).sum()), "missing_positions": missing_positions}
+    return {"losses": losses, "grads": grads, "dp_rank": groups.data_parallel_rank,
+            "local_targets": local_targets, "missing_positions": missing_positions}
 
 
 def loss_with_no_target() -> dict:
