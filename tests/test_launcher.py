@@ -80,22 +80,15 @@ def test_two_ranks_see_their_rank_and_get_local_rank_argument():
 
 
 @pytest.mark.slow
-def test_no_local_rank_omits_the_argument():
-    done, _ = launch("--nproc_per_node", "2", "--no_local_rank", str(SCRIPTS / "report_rank.py"))
-    assert done.returncode == 0, done.stdout
-    got = reports(done.stdout)
-    assert sorted(got) == [0, 1], done.stdout
-    assert all(fields[2] == "None" for fields in got.values()), done.stdout
-    assert [fields[1] for _, fields in sorted(got.items())] == ["0", "1"], "LOCAL_RANK is still set"
-
-
-@pytest.mark.slow
-def test_module_flag_runs_a_module():
-    done, _ = launch("--num_gpus", "2", "--module", "report_rank", "--tag", "mod", cwd=SCRIPTS)
+def test_module_flag_runs_a_module_and_no_local_rank_omits_the_argument():
+    # One launch for both flags: the bootstrap handles the run mode and the --local_rank argument apart.
+    done, _ = launch("--nproc_per_node", "2", "--no_local_rank", "--module", "report_rank", "--tag", "mod", cwd=SCRIPTS)
     assert done.returncode == 0, done.stdout
     got = reports(done.stdout)
     assert sorted(got) == [0, 1], done.stdout
     assert all(fields[5] == "module" and fields[4] == "mod" for fields in got.values()), done.stdout
+    assert all(fields[2] == "None" for fields in got.values()), done.stdout
+    assert [fields[1] for _, fields in sorted(got.items())] == ["0", "1"], "LOCAL_RANK is still set"
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, help="wall-clock budget of the whole run (default 480; dry 90)")
     p.add_argument("--trial-timeout-s", type=float, help="limit of one trial (default 240; dry 45)")
     p.add_argument("--start", type=int, help="first length of the plain search (default: half the planner's "
-                   "prediction, at least 4,096; dry 128). ALST starts at twice plain's longest")
+                   "prediction, at least 4,096; dry: the cap). ALST starts at twice plain's longest")
     p.add_argument("--cap", type=int, help="longest length tried (default 4,194,304; dry 256)")
     p.add_argument("--steps", type=int, default=3, help="steps per trial (default 3)")
     p.add_argument("--host-limit-gib", type=float, help="GPU: cap the host memory a trial may take; dry: the "
@@ -124,7 +124,9 @@ def search_all(args, facts: dict, limits: Limits, plans: dict, log_dir: Path, t0
         elif mode == "alst" and plain and plain.longest_ok():
             start = 2 * plain.longest_ok()  # ALST needs less memory than plain at every length
         else:
-            start = 128 if args.dry else max(4096, plan["predicted_max"] // 2)
+            # Dry: one trial per mode (a trial is ~10 s of start-up on 2 cores); the doubling and bisection
+            # that follow a GPU start are tests/gpu/test_longseq_search.py's.
+            start = args.cap if args.dry else max(4096, plan["predicted_max"] // 2)
         search = LengthSearch(shape.name, mode, start, args.grain, args.cap, args.steps,
                               reference=plain.trials if plain else [])
         searches.append(search)

@@ -49,7 +49,7 @@ GPU_SHAPES = (
     Shape("llama-3.1-8b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False),
 )
 # One tiny shape: a dry trial is ~10 s of start-up on a loaded 2-core CI machine, and the part's dry run
-# rehearses the steps (planner, search, trials, report) within ~45 s; --shapes takes the second.
+# rehearses the steps (planner, search, a trial per mode, report) within ~30 s; --shapes takes the second.
 DRY_SHAPES = (
     Shape("tiny", hidden=64, intermediate=256, layers=2, heads=4, kv_heads=2, vocab=512, tied=True),
     Shape("tiny-untied", hidden=128, intermediate=448, layers=2, heads=4, kv_heads=2, vocab=1024, tied=False),

@@ -9,7 +9,7 @@ speed.md (tables for docs/benchmarks.md). A column is "<engine>[-compile][-mb2]"
     python benchmarks/gpu/speed.py --out-dir runs/gpu-check --dry     # CPU smoke run, tiny sizes (GPU_CHECK_DRY=1 too)
     python benchmarks/gpu/speed.py --out-dir /tmp/smoke --dry --device cuda   # the dry sizes on the GPU: CUDA paths
 
-Per engine one fresh process (a world of one: NCCL on a GPU, Gloo on a CPU; the dry run puts three
+Per engine one fresh process (a world of one: NCCL on a GPU, Gloo on a CPU; the dry run puts five
 engines in a process, one after the other: there its imports cost more than its steps) runs both
 checkpointing modes: model built on the device from one seed, the harness's loop (benchmarks/worker.py)
 for warm-up, timed and memory steps, then one profiled step for the GPU timeline. Reported per engine
@@ -59,7 +59,7 @@ MODES = ("off", "on")
 # falls within the 3 steps), and a short loop.
 DRY_SIZES = {"vocab": 256, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
 #    seq, micro-batch, warm-up, timed, per-engine timeout s, whole-run budget s, engines per process, modes
-DEFAULTS = {"gpu": (2048, None, 3, 8, 180, 540, 1, "off"), "dry": (64, 2, 1, 2, 120, 300, 3, "off,on")}
+DEFAULTS = {"gpu": (2048, None, 3, 8, 180, 540, 1, "off"), "dry": (64, 2, 1, 2, 120, 300, 5, "off,on")}
 # torch.compile's backend: inductor on a GPU; the dry run's aot_eager traces the same graphs (dynamo, AOT
 # autograd) without inductor's code generation, which takes minutes of gcc on 2 CPU cores.
 COMPILE_BACKEND = {"gpu": "inductor", "dry": "aot_eager"}
@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--micro-batch auto: the share of GPU memory the planner's stage-0 prediction may take")
     p.add_argument("--split-modes", action="store_true", help="one process per engine and mode (slower)")
     p.add_argument("--engines-per-process", type=int, default=None,
-                   help="engines run one after the other in one process (default 1; dry 3: a process's imports "
+                   help="engines run one after the other in one process (default 1; dry 5: a process's imports "
                         "cost more than a dry engine's steps)")
     p.add_argument("--keep-traces", action="store_true", help="keep each profiled step's Chrome trace in the logs")
     add_workload_args(p)

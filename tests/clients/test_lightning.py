@@ -6,9 +6,9 @@ CUDA-only gate. The stand-in had to report DeepSpeed >= 0.16 (Lightning's minimu
 have `deepspeed.utils.logging.logger` and `deepspeed.checkpointing.configure`, and accept the
 `aio` section Lightning always writes.
 
-Two launches for the module: every DeepSpeed strategy in one, trained one after another in the
-same processes (each as it trains alone: fresh seeded model and data), and the DDP reference in
-the other. One test per strategy compares its losses.
+One launch for the module (`import lightning` costs each process 7-8 CPU-s): Lightning's DDP,
+the reference, then every DeepSpeed strategy, trained one after another in the same processes
+(each as it trains alone: fresh seeded model and data). One test per strategy compares its losses.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ pytestmark = pytest.mark.slow  # every test here starts processes: `make test`, 
 SCRIPT = FIXTURES / "scripts" / "lightning_job.py"
 DEEPSPEED_STRATEGIES = ["deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload",
                         "DeepSpeedStrategy(stage=3)"]
+STRATEGIES = ["ddp", *DEEPSPEED_STRATEGIES]
+"""The reference first: the DeepSpeed strategies then end the processes as their users' scripts do."""
 TIMEOUT_S = 600
-"""For one launch of all four strategies (under a minute alone on 2 cores; the suite runs beside it)."""
+"""For one launch of all five strategies (about a minute alone on 2 cores; the suite runs beside it)."""
 
 
 def _losses(launch: CaseLaunch, strategy: str) -> list[list[float]]:
@@ -45,26 +47,20 @@ def _launch(strategies: list[str], folder: Path) -> CaseLaunch:
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory) -> CaseLaunch:
-    """Lightning's plain DDP: the reference."""
-    return _launch(["ddp"], tmp_path_factory.mktemp("lightning-ddp"))
-
-
-@pytest.fixture(scope="module")
-def deepspeed(tmp_path_factory) -> CaseLaunch:
-    """Every DeepSpeed strategy, one after another in one launch."""
-    return _launch(DEEPSPEED_STRATEGIES, tmp_path_factory.mktemp("lightning-deepspeed"))
+def strategies(tmp_path_factory) -> CaseLaunch:
+    """Lightning's plain DDP (the reference), then every DeepSpeed strategy, in one launch."""
+    return _launch(STRATEGIES, tmp_path_factory.mktemp("lightning"))
 
 
 @pytest.mark.parametrize("strategy", DEEPSPEED_STRATEGIES)
-def test_lightning_deepspeed_strategy_matches_lightning_ddp(ddp, deepspeed, strategy):
-    losses, reference = _losses(deepspeed, strategy), _losses(ddp, "ddp")
+def test_lightning_deepspeed_strategy_matches_lightning_ddp(strategies, strategy):
+    losses, reference = _losses(strategies, strategy), _losses(strategies, "ddp")
     for rank in (0, 1):
         assert len(losses[rank]) == 6
         assert losses[rank] == pytest.approx(reference[rank], rel=1e-5)
 
 
-def test_lightning_deepspeed_strategies_exit_0(deepspeed):
-    """The DeepSpeed strategies' processes end normally, as their users' scripts do."""
-    assert deepspeed.returncode == 0, (f"`{' '.join(deepspeed.command)}`: exit {deepspeed.returncode}\n"
-                                       f"{deepspeed.stdout[-2000:]}\n{deepspeed.stderr[-6000:]}")
+def test_lightning_deepspeed_strategies_exit_0(strategies):
+    """The processes end normally after the DeepSpeed strategies, as their users' scripts do."""
+    assert strategies.returncode == 0, (f"`{' '.join(strategies.command)}`: exit {strategies.returncode}\n"
+                                        f"{strategies.stdout[-2000:]}\n{strategies.stderr[-6000:]}")

@@ -2,11 +2,13 @@
 
 A tiny Llama with a word-level tokenizer is built in the test (nothing is downloaded); the script
 is tests/fixtures/scripts/trl_job.py, a pipeline that trains SFT, DPO, a reward model and GRPO one
-after another in the same processes, each as it would train alone. 2 CPU ranks, four launches in
-all, each run once for the module: `zerotrain launch` with a ZeRO-2 and with a ZeRO-3 DeepSpeed
-config passed as `TrainingArguments(deepspeed=...)`, `accelerate launch` with an accelerate config
-for ZeRO-3 + CPU offload under `zerotrain run`, and the reference, the same script under `torchrun`,
-no DeepSpeed. The tests compare each trainer's losses, one test per trainer and launch. TRL turns
+after another in the same processes, each as it would train alone. 2 CPU ranks, two launches in
+all, each run once for the module (each rank's start-up, torch + transformers + TRL, costs more
+than its training): `zerotrain launch` running the pipeline three times in the same processes, first
+with no DeepSpeed (the reference: TRL on the Trainer's own DDP), then with a ZeRO-2 and with a ZeRO-3
+DeepSpeed config passed as `TrainingArguments(deepspeed=...)`; and `accelerate launch` with an
+accelerate config for ZeRO-3 + CPU offload under `zerotrain run`. The tests compare each trainer's
+losses, one test per trainer and setup. TRL turns
 bf16 on by default: zerotrain then trains bf16 weights with an fp32 master, DDP fp32 weights under
 autocast, so losses agree to bf16's precision.
 """
@@ -41,14 +43,18 @@ CONFIGS = {
 """ZeRO-3 with both offloads runs for every trainer in test_trl_trainer_through_accelerate_launch_matches_ddp
 (with zero.Init too), so it is not repeated here."""
 ACCELERATE = "accelerate-zero3-offload"
-TIMEOUT_S = 600
+LAUNCH = "zerotrain-launch"
+"""The launch of the DDP reference and of CONFIGS, one after another."""
+TIMEOUT_S = 900
+"""For one launch of all four trainers three times (a minute or two alone on 2 cores; the suite runs beside it)."""
 MARKER = "trl_job"
-"""What the script prints on stderr before each trainer: `trl_job: TRAINER starts`."""
-"""For one launch of all four trainers (about a minute alone on 2 cores; the suite runs beside it)."""
+"""What the script prints on stderr before each trainer: `trl_job: SETUP/TRAINER starts` (`TRAINER` alone under
+accelerate launch)."""
 
 
 def _losses(launch: CaseLaunch, trainer: str) -> list[float]:
-    """The trainer's logged losses (and, for GRPO, its rewards after them), from OUT/TRAINER/."""
+    """The trainer's logged losses (and, for GRPO, its rewards after them), from OUT/TRAINER/
+    (`trainer`: SETUP/TRAINER when the launch ran several setups)."""
     losses = launch.out / trainer / "losses.json"
     if not losses.exists():
         launch.fail_for(trainer, str(losses))
@@ -83,18 +89,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ddp(model_dir, tmp_path_factory) -> CaseLaunch:
-    """Every trainer on plain DDP (torchrun, no DeepSpeed), in one launch: the reference."""
-    folder = tmp_path_factory.mktemp("ddp")
-    command = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(SCRIPT), TRAINERS,
-               str(model_dir), str(folder / "out")]
-    return launch_cases(command, folder, folder / "out", MARKER, TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
 def zerotrain_runs(model_dir, tmp_path_factory):
-    """A function giving the launch named `name` (a CONFIGS key or ACCELERATE) of every trainer on
-    zerotrain, each launched once for the module."""
+    """A function giving the launch named `name` (LAUNCH: the DDP reference then CONFIGS; or ACCELERATE)
+    of every trainer, each launched once for the module."""
     runs: dict[str, CaseLaunch] = {}
 
     def launched(name: str) -> CaseLaunch:
@@ -108,14 +105,21 @@ def zerotrain_runs(model_dir, tmp_path_factory):
                            "--main_process_port", str(free_port()), str(SCRIPT), TRAINERS, str(model_dir), str(out)]
             else:
                 cwd = folder
-                config = folder / f"{name}.json"
-                config.write_text(json.dumps(CONFIGS[name]))
+                for config, content in CONFIGS.items():
+                    (folder / f"{config}.json").write_text(json.dumps(content))
+                # the reference first, on fresh processes: then the DeepSpeed setups end them normally
                 command = [zerotrain_script(), "launch", "--num_gpus", "2", "--master_port", str(free_port()),
-                           str(SCRIPT), TRAINERS, str(model_dir), str(out), str(config)]
+                           str(SCRIPT), TRAINERS, str(model_dir), str(out), "ddp",
+                           *(str(folder / f"{config}.json") for config in CONFIGS)]
             runs[name] = launch_cases(command, cwd, out, MARKER, TIMEOUT_S)
         return runs[name]
 
     return launched
+
+
+def _ddp(zerotrain_runs, trainer: str) -> list[float]:
+    """The trainer's results on plain DDP (no DeepSpeed): the reference."""
+    return _losses(zerotrain_runs(LAUNCH), f"ddp/{trainer}")
 
 
 def _assert_matches_ddp(losses: list[float], reference: list[float], trainer: str) -> None:
@@ -128,24 +132,25 @@ def _assert_matches_ddp(losses: list[float], reference: list[float], trainer: st
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("trainer", list(TOLERANCE))
-def test_trl_trainer_matches_ddp(ddp, zerotrain_runs, trainer, name):
+def test_trl_trainer_matches_ddp(zerotrain_runs, trainer, name):
     # Stage 3 used to stop in TRL's lm-head gather (`ds_status` missing on a whole parameter), for
     # DPO's reference model on the dotted keys TRL adds to its config, and for GRPO's generation on
     # `optimizer.parameter_offload` (its rewards come from generations on the gathered policy).
-    _assert_matches_ddp(_losses(zerotrain_runs(name), trainer), _losses(ddp, trainer), trainer)
+    _assert_matches_ddp(_losses(zerotrain_runs(LAUNCH), f"{name}/{trainer}"), _ddp(zerotrain_runs, trainer), trainer)
 
 
 @pytest.mark.parametrize("trainer", list(TOLERANCE))
-def test_trl_trainer_through_accelerate_launch_matches_ddp(ddp, zerotrain_runs, trainer):
+def test_trl_trainer_through_accelerate_launch_matches_ddp(zerotrain_runs, trainer):
     """`accelerate launch` with an `accelerate config` for ZeRO-3 + CPU offload and zero.Init (the
     DeepSpeed plugin supplies the config; the script passes none), under `zerotrain run`."""
-    _assert_matches_ddp(_losses(zerotrain_runs(ACCELERATE), trainer), _losses(ddp, trainer), trainer)
+    _assert_matches_ddp(_losses(zerotrain_runs(ACCELERATE), trainer), _ddp(zerotrain_runs, trainer), trainer)
 
 
-@pytest.mark.parametrize("name", [*CONFIGS, ACCELERATE])
+@pytest.mark.parametrize("name", [LAUNCH, ACCELERATE])
 def test_trl_pipeline_on_zerotrain_exits_0(zerotrain_runs, name):
     """zerotrain's runs end normally, as DeepSpeed scripts do, after the last trainer (the script
-    checks each trainer ran on the DeepSpeed engine, zerotrain's, and raises if one did not)."""
+    checks each trainer ran on the DeepSpeed engine, zerotrain's, where its setup names DeepSpeed, on
+    DDP where it does not, and raises if one did not)."""
     launch = zerotrain_runs(name)
     assert launch.returncode == 0, (f"`{' '.join(launch.command)}`: exit {launch.returncode}\n"
                                     f"{launch.stdout[-2000:]}\n{launch.stderr[-6000:]}")

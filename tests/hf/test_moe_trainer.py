@@ -7,7 +7,9 @@ test_trainer.py). The ranks' tokens choose different experts; transformers 5 sto
 experts as one tensor, so an unused expert gets a zero gradient slice (test_moe_routing.py covers
 experts as separate modules, unused on a rank).
 
-All ZeRO runs share one launch, the DDP references another (tests/hf/trainer_fixture.py).
+The DDP references (first, on fresh processes; no --deepspeed: the stand-in on the path is unused)
+and all ZeRO runs share one launch (tests/hf/trainer_fixture.py): each rank's start-up costs more
+than its runs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ MODELS = {"mixtral": "MixtralSparseMoeBlock", "qwen3-moe": "Qwen3MoeSparseMoeBlo
 CONFIGS = ("zero2", "zero3", "zero3-offload")  # zero3-offload: parameters and optimizer on the CPU
 
 RUNS: Runs = {
-    **{f"ddp-{m}": ("torchrun", ("--use_cpu", "--model_dir", f"tiny-{m}")) for m in MODELS},
+    **{f"ddp-{m}": ("launch", ("--use_cpu", "--model_dir", f"tiny-{m}")) for m in MODELS},
     **{f"{m}-{c}": ("launch", ("--deepspeed", f"{c}.json", "--model_dir", f"tiny-{m}", "--moe_leaf_class", block))
        for m, block in MODELS.items() for c in CONFIGS},
 }

@@ -3,7 +3,8 @@
 A user's Trainer script (tests/fixtures/scripts/hf_trainer_job.py) and DeepSpeed configs as
 the transformers docs write them ("auto" everywhere, tests/fixtures/configs/hf/) are started
 with `zerotrain launch` (or `zerotrain run torchrun`) on 2 Gloo ranks, where no DeepSpeed is
-installed; the runs started the same way share one launch, trained one after another. In fp32
+installed; the runs started the same way share one launch, trained one after another: two launches
+for the module, as each rank's start-up costs more than a run. In fp32
 each ZeRO stage must train exactly as the Trainer's own DDP does on the same data: same loss at
 every step, resumable from its checkpoints, and `save_model` must write weights
 `from_pretrained` loads.
@@ -37,11 +38,15 @@ LOSS_TOLERANCE = 1e-4
 # launch with the others started the same way, in this order: a stage-2 run after a stage-3 one
 # and the reverse (each loads as its own config says), a resumed run after the one it resumes.
 RUNS: Runs = {
-    "ddp": ("torchrun", ("--use_cpu", "--save_model_to", "ddp/final")),
+    # The Trainer's own DDP (no --deepspeed: the stand-in `zerotrain run` puts on the path is unused),
+    # first in its launch, on fresh processes.
+    "ddp": ("run-torchrun", ("--use_cpu", "--save_model_to", "ddp/final")),
     # The reference for configs with a scheduler section: DeepSpeed's WarmupDecayLR runs one
     # step behind HF's linear schedule (lr 0 for two steps), in DeepSpeed as in zerotrain.
-    "ddp-warmup-decay": ("torchrun", ("--use_cpu", "--deepspeed_warmup_decay")),
+    "ddp-warmup-decay": ("run-torchrun", ("--use_cpu", "--deepspeed_warmup_decay")),
     "zero1": ("run-torchrun", ("--deepspeed", "zero1.json")),
+    # must stop with the Trainer's error: last of its launch, which it ends
+    "mismatch": ("run-torchrun", ("--deepspeed", "zero2-micro-batch-3.json")),
     "zero2": ("launch", ("--deepspeed", "zero2.json", "--save_model_to", "zero2/final",
                          "--save_strategy", "steps", "--save_steps", "4")),
     "zero3": ("launch", ("--deepspeed", "zero3.json", "--save_model_to", "zero3/final", "--generate")),
@@ -65,7 +70,11 @@ RUNS: Runs = {
 @pytest.fixture(scope="module", params=["cpu", on_gpu("gpu", "gpu-1process")])
 def jobs(request, tmp_path_factory) -> TrainerJobs:
     """2 CPU ranks; on a GPU, one rank, with the Trainer's own single-GPU run as the reference."""
-    return TrainerJobs(tmp_path_factory.mktemp("hf-trainer"), device=request.param, runs=RUNS)
+    jobs = TrainerJobs(tmp_path_factory.mktemp("hf-trainer"), device=request.param, runs=RUNS)
+    config = json.loads((jobs.cwd / "zero2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 3  # the command line says --per_device_train_batch_size 8
+    (jobs.cwd / "zero2-micro-batch-3.json").write_text(json.dumps(config, indent=2))  # the run "mismatch"
+    return jobs
 
 
 def trained(jobs: TrainerJobs, name: str) -> TrainerRun:
@@ -145,13 +154,10 @@ def test_save_model_writes_the_trained_weights_for_from_pretrained(jobs, name):
 
 
 def test_a_config_value_that_contradicts_the_training_arguments_stops_with_the_trainers_error(jobs):
-    config = json.loads((jobs.cwd / "zero2.json").read_text())
-    config["train_micro_batch_size_per_gpu"] = 3  # the command line says --per_device_train_batch_size 8
-    (jobs.cwd / "zero2-micro-batch-3.json").write_text(json.dumps(config, indent=2))
-
-    failed = jobs.start("mismatch", "--deepspeed", "zero2-micro-batch-3.json")
+    failed = jobs.attempt("mismatch")  # zero2.json with train_micro_batch_size_per_gpu 3 (the fixture)
+    assert failed.launch.started("mismatch"), failed.launch.stderr[-4000:]
     assert failed.launch.returncode != 0
-    stderr = failed.launch.stderr
+    stderr = failed.launch.stderr_of("mismatch")
     trainers_error = "Please correct the following DeepSpeed config values that mismatch TrainingArguments values"
     assert trainers_error in stderr, stderr[-4000:]
     assert "- ds train_micro_batch_size_per_gpu=3 vs hf per_device_train_batch_size=8" in stderr

@@ -2,7 +2,8 @@
 
 A Trainer script (tests/fixtures/scripts/hf_ulysses_job.py) with Accelerate's
 `ParallelismConfig(sp_backend="deepspeed", sp_size=2)` and a ZeRO-2 DeepSpeed config, started with
-`zerotrain launch` on 4 CPU ranks (sp 2 x dp 2), must train as the same script at sp = 1: the same
+`zerotrain launch` on 4 CPU ranks (sp 2 x dp 2), must train as the same script at sp = 1 (trained
+first in the same launch: the ranks' start-up costs more than both runs): the same
 loss and gradient norm at every step (rtol 1e-5: fp32, only the summation order of the attention
 and the loss over the shards differs). The group of ranks [2, 3] holds no global rank 0, where
 torch's Gloo backward of the Trainer's differentiable all_gather failed until zerotrain's fix
@@ -42,15 +43,15 @@ def _launch(tmp: Path, script: str, *args: str, ranks: int = RANKS) -> subproces
     return subprocess.run(command, cwd=tmp, env=user_env(), capture_output=True, text=True, timeout=600)
 
 
-def _trainer_run(tmp: Path, sp: int) -> dict:
-    out = tmp / f"sp{sp}.json"
-    done = _launch(tmp, "hf_ulysses_job.py", "--sp", str(sp), "--out", str(out), "--output_dir", str(tmp / f"sp{sp}"))
-    assert done.returncode == 0, f"sp={sp} launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return json.loads(out.read_text())
+def _trainer_runs(tmp: Path, *sizes: int) -> list[dict]:
+    """The Trainer script's results at each sequence-parallel size, trained in turn in one launch."""
+    done = _launch(tmp, "hf_ulysses_job.py", "--sp", ",".join(map(str, sizes)), "--out", str(tmp))
+    assert done.returncode == 0, f"sp={sizes} launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return [json.loads((tmp / f"sp{sp}.json").read_text()) for sp in sizes]
 
 
 def test_trainer_with_accelerate_ulysses_sp2_dp2_trains_as_without(tmp_path):
-    reference, ulysses = _trainer_run(tmp_path, 1), _trainer_run(tmp_path, SP)
+    reference, ulysses = _trainer_runs(tmp_path, 1, SP)
     assert ulysses["sp_world_size"] == SP and ulysses["sdpa_function"] == "UlyssesAttention"
     assert reference["sp_world_size"] == 1
     assert len(ulysses["losses"]) == len(reference["losses"]) == 2

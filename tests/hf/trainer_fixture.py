@@ -155,11 +155,6 @@ class TrainerJobs:
                               timeout, device=self.device)
         self._launched.update(dict.fromkeys(names, launch))
 
-    def start(self, name: str, *args: str, how: str = "launch", timeout: float = LAUNCH_TIMEOUT_S) -> TrainerRun:
-        """Runs the job alone in a launch now, from the command line (no cache); the caller checks the exit status."""
-        self._execute(how, [name], self.job_args(name, *args), timeout)
-        return self.finished(name)
-
     def launch(self, how: str) -> None:
         """Every run started the way `how`, in one launch (the script's --runs), in the order of `runs`."""
         names = [name for name, (h, _) in self.runs.items() if h == how]
@@ -168,13 +163,18 @@ class TrainerJobs:
                                       indent=1))
         self._execute(how, names, ["--runs", listing.name], LAUNCH_TIMEOUT_S + RUN_TIMEOUT_S * (len(names) - 1))
 
+    def attempt(self, name: str) -> TrainerRun:
+        """The run `name` of `runs` as its launch left it (launched once), ended or not: for a run that
+        must fail, listed last of those started the same way."""
+        if name not in self._launched:
+            self.launch(self.runs[name][0])
+        return self.finished(name)
+
     def run(self, name: str) -> TrainerRun:
         """The run `name` of `runs`, launched once (later calls return the first run); it must have ended
         on every rank: its launch exited 0, or the run after it started (each run ends in a barrier)."""
         how = self.runs[name][0]
-        if name not in self._launched:
-            self.launch(how)
-        done = self.finished(name)
+        done = self.attempt(name)
         names = [n for n, (h, _) in self.runs.items() if h == how]
         after = names[names.index(name) + 1:]
         launch = done.launch

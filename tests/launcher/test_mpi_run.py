@@ -6,7 +6,6 @@ No skip: without mpirun the test fails and says what to install.
 
 from __future__ import annotations
 
-import csv
 import os
 import re
 import shutil
@@ -16,23 +15,17 @@ import pytest
 
 from conftest import zerotrain_script
 from free_ports import free_port
+from launcher.local_reference_run import JOB, MAX_STEPS, local_run_losses, losses  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow
 # Open MPI refuses root unless told; CI (and many containers) run as root.
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_plm_rsh_agent": "",
            "OMP_NUM_THREADS": "1"}
-JOB = ["--training.max_steps", "4", "--training.eval_interval", "0", "--logging.interval", "1",
-       "--data.synthetic.num_examples", "400", "--training.micro_batch_size", "4", "--output.export_hf", "false"]
 
 
 def _require_mpirun() -> None:
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun not found: install Open MPI (apt-get install openmpi-bin; .ci/run does)")
-
-
-def _losses(run) -> list[tuple[str, str]]:
-    with open(run / "metrics.csv", newline="") as f:
-        return [(row["step"], row["loss"]) for row in csv.DictReader(f)]
 
 
 def test_mpirun_starts_every_rank_of_a_launched_script(tmp_path):
@@ -53,18 +46,14 @@ def test_mpirun_starts_every_rank_of_a_launched_script(tmp_path):
         "MPI_REPORT rank=0 world=2 sum=3.0", "MPI_REPORT rank=1 world=2 sum=3.0"]
 
 
-def test_zerotrain_train_under_mpirun_matches_the_local_run(tmp_path):
+def test_zerotrain_train_under_mpirun_matches_the_local_run(tmp_path, local_run_losses):
     _require_mpirun()
     (tmp_path / "hostfile").write_text("localhost slots=2\n")
-    env = {**os.environ, **MPI_ENV}
-    runs = {}
-    for name, launch in (("mpi", ["--hostfile", "hostfile", "--launcher", "openmpi"]), ("local", [])):
-        run = tmp_path / name
-        done = subprocess.run([zerotrain_script(), "train", *launch, "--master_port", str(free_port()),
-                               "--output.dir", str(run), "--data.cache_dir", str(tmp_path / "cache"), *JOB],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        runs[name] = _losses(run)
-        if name == "mpi":
-            assert "mpirun -n 2" in done.stdout + done.stderr, done.stderr[-2000:]
-    assert runs["mpi"] == runs["local"] and len(runs["mpi"]) == 4
+    run = tmp_path / "mpi"
+    done = subprocess.run([zerotrain_script(), "train", "--hostfile", "hostfile", "--launcher", "openmpi",
+                           "--master_port", str(free_port()), "--output.dir", str(run),
+                           "--data.cache_dir", str(tmp_path / "cache"), *MAX_STEPS, *JOB],
+                          cwd=tmp_path, env={**os.environ, **MPI_ENV}, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "mpirun -n 2" in done.stdout + done.stderr, done.stderr[-2000:]
+    assert losses(run) == local_run_losses and len(local_run_losses) == 4

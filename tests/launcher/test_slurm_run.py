@@ -7,9 +7,6 @@ No skip: if Slurm is missing or a daemon does not start, the test fails and says
 
 from __future__ import annotations
 
-import csv
-import os
-import subprocess
 import time
 import uuid
 
@@ -17,12 +14,11 @@ import pytest
 
 from conftest import zerotrain_script
 from free_ports import free_port
+from launcher.local_reference_run import JOB, MAX_STEPS, local_run_losses, losses  # noqa: F401 - a fixture
 from launcher.slurm_cluster import start_cluster, stop_cluster
 from launcher.sshd_nodes import processes_with_env
 
 pytestmark = pytest.mark.slow
-JOB = ["--training.eval_interval", "0", "--logging.interval", "1", "--data.synthetic.num_examples", "400",
-       "--training.micro_batch_size", "4", "--output.export_hf", "false"]
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +26,6 @@ def slurm(tmp_path_factory):
     cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
     yield cluster
     stop_cluster(cluster)
-
-
-def _losses(run) -> list[tuple[str, str]]:
-    with open(run / "metrics.csv", newline="") as f:
-        return [(row["step"], row["loss"]) for row in csv.DictReader(f)]
 
 
 def _sbatch(slurm, tmp_path, mark: str, train_args: list[str]) -> str:
@@ -48,20 +39,16 @@ def _sbatch(slurm, tmp_path, mark: str, train_args: list[str]) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def test_zerotrain_train_in_sbatch_runs_on_the_allocation_and_matches_the_local_run(slurm, tmp_path):
+def test_zerotrain_train_in_sbatch_runs_on_the_allocation_and_matches_the_local_run(
+        slurm, tmp_path, local_run_losses):
     args = ["--output.dir", str(tmp_path / "slurm-run"), "--data.cache_dir", str(tmp_path / "cache"),
-            "--training.max_steps", "4", *JOB]
+            *MAX_STEPS, *JOB]
     job = _sbatch(slurm, tmp_path, uuid.uuid4().hex, args)
     state = slurm.wait_for_job(job, timeout=180)
     out = (tmp_path / f"slurm-{job}.out").read_text()
     assert state == "COMPLETED", out[-3000:]
     assert "job finished on 1 nodes (2 ranks)" in out, out[-3000:]
-    local = subprocess.run([zerotrain_script(), "train", "--output.dir", str(tmp_path / "local-run"), "--master_port",
-                            str(free_port()), "--data.cache_dir", str(tmp_path / "cache"), "--training.max_steps", "4",
-                            *JOB], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                           text=True, timeout=240)
-    assert local.returncode == 0, local.stderr[-2000:]
-    assert _losses(tmp_path / "slurm-run") == _losses(tmp_path / "local-run")
+    assert losses(tmp_path / "slurm-run") == local_run_losses
 
 
 def test_scancel_stops_every_rank_within_30_seconds(slurm, tmp_path):

@@ -94,13 +94,14 @@ def test_a_wrong_flag_stops_with_its_reason():
 
 
 @pytest.mark.slow
-def test_flags_answer_without_input_and_a_config_that_does_not_fit_is_warned(zerotrain_cli):
+def test_flags_answer_without_input_and_a_config_that_does_not_fit_is_warned(zerotrain_main):
+    # In this process: the next test pipes answers into the console script
     flags = ["--num-machines", "1", "--gpus-per-machine", "2", "--gpu-memory", "1GiB", "--seq-len", "64",
              "--global-batch", "4", "--zero-stage", "0", "--yes"]
-    done = zerotrain_cli("init", "llama", *OVERRIDES, *flags)  # 1 GiB: the 1 GiB reserve leaves nothing
+    done = zerotrain_main("init", "llama", *OVERRIDES, *flags)  # 1 GiB: the 1 GiB reserve leaves nothing
     assert done.returncode == 1, done.stderr
     assert "does not fit: GPU needs" in done.stdout and "Nothing written." in done.stdout
-    assert not (zerotrain_cli.cwd / "ds_config.json").exists()
+    assert not (zerotrain_main.cwd / "ds_config.json").exists()
 
 
 @pytest.mark.slow

@@ -98,20 +98,22 @@ def test_an_unknown_architecture_suggests_the_nearest():
 
 
 @pytest.mark.slow
-def test_zerotrain_estimate_command_prints_deepspeeds_tables_for_a_model_section(zerotrain_cli, zerotrain_main):
+def test_zerotrain_estimate_command_prints_deepspeeds_tables_for_a_model_section(zerotrain_main):
+    # In this process: tests/planning/test_plan.py runs `estimate` as the console script
     sizes = ["--config-override", "hidden_size=64", "--config-override", "num_hidden_layers=2",
              "--config-override", "intermediate_size=128", "--config-override", "num_attention_heads=4"]
-    done = zerotrain_cli("estimate", "llama", *sizes, "--gpus-per-node", "2", "--deepspeed-format", check=True)
+    done = zerotrain_main("estimate", "llama", *sizes, "--gpus-per-node", "2", "--deepspeed-format", check=True)
     assert "Estimated memory needed for params, optim states and gradients" in done.stdout
     assert "offload_param=cpu , offload_optimizer=cpu , zero_init=1" in done.stdout
     missing = zerotrain_main("estimate", "no/such/model_dir")
     assert missing.returncode == 2 and "no/such/model_dir" in missing.stderr
 
 
-@pytest.mark.slow  # a console-script run per shipped model
-def test_the_shipped_models_are_found_by_name_from_any_folder(zerotrain_cli, zerotrain_main):
-    # The docs' examples name them so: they run from outside the checkout, the configs ship in the package.
-    done = zerotrain_cli("estimate", "llama-2-7b", "--json", check=True)
+@pytest.mark.slow
+def test_the_shipped_models_are_found_by_name_from_any_folder(zerotrain_main):
+    # The docs' examples name them so: they run from outside the checkout (zerotrain_main runs from a
+    # temporary folder), the configs ship in the package (tests/test_install.py checks the wheel's files).
+    done = zerotrain_main("estimate", "llama-2-7b", "--json", check=True)
     assert json.loads(done.stdout)["model"]["total_params"] == 6_738_415_616
     missing = zerotrain_main("estimate", "llama-2-13b")
     assert missing.returncode == 2 and "llama-2-7b" in missing.stderr and "llama-3.2-1b" in missing.stderr

@@ -258,14 +258,15 @@ def test_a_guides_deepspeed_config_with_auto_values_is_a_base_for_every_rung(fix
 
 
 @pytest.mark.slow
-def test_a_train_yaml_gives_the_model_sequence_length_and_micro_batch(zerotrain_cli):
+def test_a_train_yaml_gives_the_model_sequence_length_and_micro_batch(zerotrain_main):
     import yaml
 
-    (zerotrain_cli.cwd / "run.yaml").write_text(yaml.safe_dump({
+    (zerotrain_main.cwd / "run.yaml").write_text(yaml.safe_dump({
         "model": {"architecture": "llama", "tokenizer": "byte", "config_overrides": TINY},
         "data": {"format": "synthetic", "seq_len": 96}, "training": {"micro_batch_size": 3},
     }))
-    done = zerotrain_cli("estimate", "run.yaml", "--json", check=True)  # a fresh process: no import-order luck
+    # In this process; test_plan_assumes_train_run.py reads a train YAML's sequence and batch in a fresh one
+    done = zerotrain_main("estimate", "run.yaml", "--json", check=True)
     workload = json.loads(done.stdout)["workload"]
     assert (workload["seq_len"], workload["micro_batch"]) == (96, 3)
 

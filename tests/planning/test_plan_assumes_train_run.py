@@ -50,6 +50,8 @@ def test_estimate_of_a_train_yaml_assumes_the_ranks_and_precision_train_uses_her
     world, precision = _what_train_uses(str(zerotrain_cli.cwd / "run.yaml"))
     data = json.loads(zerotrain_cli("estimate", "run.yaml", "--json", check=True).stdout)
     assert (data["hardware"]["gpus_per_node"], data["hardware"]["nodes"]) == (world, 1)
+    # the model's sequence and micro-batch from the YAML, in a fresh process: no import-order luck
+    assert (data["workload"]["seq_len"], data["workload"]["micro_batch"]) == (64, 2)
     assert data["workload"]["dtype"] == precision
     import torch
 

@@ -1,7 +1,8 @@
-"""`zerotrain init` as a user runs it: the installed console script in a temporary folder, answers
-typed into a terminal (a pseudo-terminal, so the terminal echoes them as a real one does) or piped
-on standard input. The GPUs are hidden (CUDA_VISIBLE_DEVICES=""): a CPU-only machine, whatever
-machine runs the test."""
+"""`zerotrain init` as a user runs it: answers typed into a terminal (the installed console script in
+a pseudo-terminal, so the terminal echoes them as a real one does) or piped on standard input (the
+command in this process, `zerotrain_main`: the same parser and handler, without a start-up that
+imports torch and transformers each time; tests/planning/test_config_wizard.py pipes answers into
+the console script). The GPUs are hidden: a CPU-only machine, whatever machine runs the test."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import user_env, zerotrain_script
+from conftest import ZerotrainInProcess, user_env, zerotrain_script
 
-pytestmark = pytest.mark.slow  # each test starts the console script (torch, transformers: seconds)
+pytestmark = pytest.mark.slow  # the console script in a terminal, and a training run: seconds each
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "vocab_size": 512, "max_position_embeddings": 256}
@@ -42,7 +43,9 @@ def typed(cwd: Path, args: list[str], answers: list[str], timeout: float = 180.0
         while True:
             if time.monotonic() > deadline:
                 pytest.fail(f"no end after {timeout} s; the screen so far:\n{screen.decode(errors='replace')}")
-            ready, _, _ = select.select([master], [], [], 0.5)
+            # Only a prompt ends a line without a newline, and typed text waits in the terminal until it
+            # is read: a short quiet spell is enough (it is waited once per prompt, 30 times in a test).
+            ready, _, _ = select.select([master], [], [], 0.1)
             if ready:
                 try:
                     chunk = os.read(master, 65536)
@@ -52,7 +55,7 @@ def typed(cwd: Path, args: list[str], answers: list[str], timeout: float = 180.0
                     break
                 screen += chunk
                 continue
-            # Quiet for half a second, the last line unfinished and ending in ": ": a prompt waits.
+            # Quiet, the last line unfinished and ending in ": ": a prompt waits.
             if len(screen) > answered and screen.rsplit(b"\n", 1)[-1].endswith(b": "):
                 os.write(master, (left.pop(0) + "\n" if left else END_OF_INPUT).encode())
                 answered = len(screen)
@@ -64,10 +67,19 @@ def typed(cwd: Path, args: list[str], answers: list[str], timeout: float = 180.0
     return proc.returncode, screen.decode(errors="replace").replace("\r\n", "\n")
 
 
-def piped(cwd: Path, args: list[str], answers: str = "", **kwargs) -> subprocess.CompletedProcess:
-    """`zerotrain ARGS` with `answers` piped on standard input."""
-    return subprocess.run([zerotrain_script(), *args], cwd=cwd, env=user_env(**CPU_ONLY), input=answers,
-                          capture_output=True, text=True, timeout=300, **kwargs)
+@pytest.fixture
+def piped(monkeypatch):
+    """`piped(cwd, args, answers)`: `zerotrain ARGS` in this process, run from `cwd`, with `answers` on
+    standard input. torch.cuda sees no GPU, as CUDA_VISIBLE_DEVICES="" makes it see none in a new process
+    (set here, it would come too late for a process that has already asked CUDA)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def run(cwd: Path, args: list[str], answers: str = "") -> subprocess.CompletedProcess:
+        return ZerotrainInProcess(cwd, monkeypatch)(*args, input=answers, env=CPU_ONLY)
+
+    return run
 
 
 @pytest.fixture
@@ -133,7 +145,7 @@ def test_an_unexpected_answer_is_asked_again_with_the_answers_it_accepts(folder)
     assert "gradient_clipping" not in ds and ds["optimizer"]["params"]["lr"] == 1e-3
 
 
-def test_without_a_gpu_the_gpu_memory_has_no_default_and_must_be_answered(folder):
+def test_without_a_gpu_the_gpu_memory_has_no_default_and_must_be_answered(folder, piped):
     done = piped(folder, ["init", "llama", *OVERRIDES], "1\n1\n\n2GiB\n")
     assert done.returncode == 0, done.stderr
     assert "no GPU on this machine: give the memory of one GPU of the machines you will train on" in done.stdout
@@ -153,7 +165,7 @@ TERMS = ("parameters", "gradients", "master + optimizer", "gradient buckets", "g
          "logits peak", "total")
 
 
-def test_the_memory_table_has_a_line_per_term_and_says_why_stages_2_and_3_need_more(folder):
+def test_the_memory_table_has_a_line_per_term_and_says_why_stages_2_and_3_need_more(folder, piped):
     # The issue's case: a 1B model at micro-batch 1, where stages 2-3 come out above stage 1
     flags = ["--gpus-per-machine", "2", "--gpu-memory", "80GiB", "--seq-len", "2048", "--global-batch", "2", "--yes"]
     done = piped(folder, ["init", str(MODEL_1B), *flags])
@@ -182,7 +194,7 @@ def _optimizer_of_train_yaml(path: Path):
     return engine.optimizer.params, engine.scheduler
 
 
-def test_both_files_hold_one_learning_rate(folder):
+def test_both_files_hold_one_learning_rate(folder, piped):
     done = piped(folder, ["init", "llama", *OVERRIDES, "--gpu-memory", "2GiB", "--seq-len", "64", "--yes"])
     assert done.returncode == 0, done.stderr
     ds = json.loads((folder / "ds_config.json").read_text())
@@ -196,7 +208,7 @@ def test_both_files_hold_one_learning_rate(folder):
     assert params["lr"] == DEFAULT_LR == 3e-4  # zerotrain train's own default (training.lr)
 
 
-def test_the_train_yaml_validates_and_trains_as_written(folder, tmp_path):
+def test_the_train_yaml_validates_and_trains_as_written(folder, tmp_path, piped):
     flags = ["--gpu-memory", "2GiB", "--seq-len", "64", "--global-batch", "4", "--mixed-precision", "no",
              "--max-steps", "2", "--yes"]
     done = piped(folder, ["init", "llama", *OVERRIDES, *flags])
@@ -209,8 +221,7 @@ def test_the_train_yaml_validates_and_trains_as_written(folder, tmp_path):
     assert "# Run it: zerotrain train zerotrain.yaml" in train_yaml.read_text()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    check = subprocess.run([zerotrain_script(), "config", "check", str(train_yaml)], cwd=elsewhere,
-                           env=user_env(**CPU_ONLY), capture_output=True, text=True, timeout=300)
+    check = piped(elsewhere, ["config", "check", str(train_yaml)])
     assert check.returncode == 0, check.stderr
     assert "valid zerotrain train config" in check.stdout and f"2 steps, output {run_dir}" in check.stdout
     # And it trains, from another folder, with nothing added: 2 steps of the tiny model on 2 CPU processes

@@ -1,7 +1,10 @@
 """A run folder never loses work: re-runs, resume targets, pruning, live runs, Ctrl-C, detach.
 
-Every case runs the installed `zerotrain` console script from a temporary folder, a fresh
-process per run, as a user does. Four tests share one folder's history of re-runs (`rerun`).
+Every run that trains goes through the installed `zerotrain` console script from a temporary folder,
+a fresh process per run, as a user does; a command that starts no rank here (refused, consolidate, a
+detached start) runs in this process (`zerotrain_main`: the same parser and checks, without a fresh
+interpreter's start-up).
+Four tests share one folder's history of re-runs (`rerun`).
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ZerotrainCLI, zerotrain_script
+from conftest import ZerotrainCLI, ZerotrainInProcess, zerotrain_script
 
 # A short single-process job: tiny data, no evaluation, no HF export (each run takes seconds).
 FAST = ["--nproc_per_node", "1", "--training.micro_batch_size", "4", "--data.synthetic.num_examples", "400",
         "--training.eval_interval", "0", "--logging.interval", "1", "--output.export_hf", "false"]
 
 
-def _train(cli, run: Path, *args, check: bool = True, timeout: float = 300.0):
+def _train(cli, run: Path, *args, check: bool = True):
+    """`zerotrain train` of the FAST job into `run` through `cli` (a ZerotrainCLI or ZerotrainInProcess)."""
     cache = run.parent / "cache"
-    return cli("train", "--output.dir", run, "--data.cache_dir", cache, *FAST, *args, check=check, timeout=timeout)
+    return cli("train", "--output.dir", run, "--data.cache_dir", cache, *FAST, *args, check=check)
 
 
 def _tags(run: Path) -> list[str]:
@@ -65,7 +69,8 @@ def rerun(tmp_path_factory) -> Rerun:
     """Shared by four tests (6 commands instead of 11): train 2 steps into `runs/rel` (relative paths,
     every checkpoint kept), the same command again (refused), `--resume` to step 8 from another folder
     through the saved config.yaml with a micro batch of 8 instead of 4, back to step 2 (a tag folder)
-    and on to 6 keeping 2, consolidate those checkpoints, then `--overwrite` with 1 step."""
+    and on to 6 keeping 2, consolidate those checkpoints, then `--overwrite` with 1 step. The refused
+    command and consolidate start no rank: they run in this process."""
     root = tmp_path_factory.mktemp("rerun")
     cwd, elsewhere = root / "cwd", root / "elsewhere"
     cwd.mkdir()
@@ -76,7 +81,9 @@ def rerun(tmp_path_factory) -> Rerun:
         "--training.max_steps", "2", "--output.keep_checkpoints", "null", check=True)
     config_after_first, metrics_after_first = (run / "config.yaml").read_text(), (run / "metrics.csv").read_text()
     # the absolute path this time: the refusal must name it
-    again = cli("train", "--output.dir", run, "--data.cache_dir", cwd / "cache", *FAST, "--training.max_steps", "2")
+    with pytest.MonkeyPatch.context() as patch:
+        again = ZerotrainInProcess(cwd, patch)("train", "--output.dir", run, "--data.cache_dir", cwd / "cache", *FAST,
+                                               "--training.max_steps", "2")
     metrics_after_again, latest_after_again = (run / "metrics.csv").read_text(), _latest(run)
     # --nproc_per_node is a launch flag, not in config.yaml: 1 process again, so only the micro batch changes
     resumed = cli("train", run / "config.yaml", "--resume", "--nproc_per_node", "1", "--training.max_steps", "8",
@@ -87,7 +94,8 @@ def rerun(tmp_path_factory) -> Rerun:
         "--training.save_interval", "2", "--output.keep_checkpoints", "2", "--training.resume",
         run / "checkpoints" / "step2", check=True)
     latest_after_prune, tags_after_prune = _latest(run), _tags(run)
-    consolidated = cli("consolidate", run / "checkpoints", root / "out.safetensors")
+    with pytest.MonkeyPatch.context() as patch:  # reads files, starts no rank: in this process
+        consolidated = ZerotrainInProcess(cwd, patch)("consolidate", run / "checkpoints", root / "out.safetensors")
     overwritten = cli("train", "--output.dir", run, "--data.cache_dir", cwd / "cache", *FAST,
                       "--training.max_steps", "1", "--overwrite", check=True)
     return Rerun(cwd, run, elsewhere, config_after_first, metrics_after_first, again, metrics_after_again,
@@ -121,14 +129,14 @@ def test_pruning_keeps_an_earlier_runs_higher_tags_and_never_the_latest(rerun):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["missing", "file", "no_latest"])
-def test_a_resume_target_that_is_not_a_checkpoint_fails_before_any_step(zerotrain_cli, tmp_path, target):
+def test_a_resume_target_that_is_not_a_checkpoint_fails_before_any_step(zerotrain_main, tmp_path, target):
     run = tmp_path / "run"
     bad = {"missing": tmp_path / "nope", "file": tmp_path / "file.txt", "no_latest": tmp_path / "empty"}[target]
     if target == "file":
         bad.write_text("x")
     elif target == "no_latest":
         bad.mkdir()
-    proc = _train(zerotrain_cli, run, "--training.max_steps", "2", "--training.resume", bad, check=False)
+    proc = _train(zerotrain_main, run, "--training.max_steps", "2", "--training.resume", bad, check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert str(bad) in proc.stderr and "training.resume" in proc.stderr and "Traceback" not in proc.stderr
     assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
@@ -145,10 +153,10 @@ def test_the_saved_config_resumes_from_any_folder_with_relative_paths_made_absol
     assert rerun.latest_after_resume == "step8" and not (rerun.elsewhere / "runs").exists()
 
 
-def test_resume_with_no_checkpoint_fails_before_any_rank_starts_naming_the_folder(zerotrain_cli, tmp_path):
+def test_resume_with_no_checkpoint_fails_before_any_rank_starts_naming_the_folder(zerotrain_main, tmp_path):
     # It used to start a new run from step 0 and exit 0. Not slow: it ends before any rank starts.
     run = tmp_path / "run"
-    proc = _train(zerotrain_cli, run, "--training.max_steps", "2", "--resume", check=False)
+    proc = _train(zerotrain_main, run, "--training.max_steps", "2", "--resume", check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "nothing to resume" in proc.stderr and str(run / "checkpoints") in proc.stderr, proc.stderr
     assert "training.resume: auto" in proc.stderr and "Traceback" not in proc.stderr
@@ -156,13 +164,13 @@ def test_resume_with_no_checkpoint_fails_before_any_rank_starts_naming_the_folde
 
 
 @pytest.mark.slow
-def test_a_foreground_run_refuses_a_folder_with_a_live_run(zerotrain_cli, tmp_path):
+def test_a_foreground_run_refuses_a_folder_with_a_live_run(zerotrain_main, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (run / "train.pid").write_text(f"{live.pid}\n")
-        proc = _train(zerotrain_cli, run, "--training.max_steps", "1", check=False)
+        proc = _train(zerotrain_main, run, "--training.max_steps", "1", check=False)
         assert proc.returncode == 2
         assert str(live.pid) in proc.stderr and "zerotrain stop" in proc.stderr
         assert (run / "train.pid").read_text().strip() == str(live.pid)  # not deleted
@@ -227,10 +235,11 @@ def test_ctrl_c_or_sigterm_saves_the_current_step_and_says_how_to_resume(tmp_pat
 
 
 @pytest.mark.slow
-def test_detach_of_a_run_that_dies_at_start_shows_its_error_and_fails(zerotrain_cli, tmp_path):
+def test_detach_of_a_run_that_dies_at_start_shows_its_error_and_fails(zerotrain_main, tmp_path):
     run = tmp_path / "run"
-    # Valid config, but the model cannot be built: the run dies after it was detached.
-    proc = _train(zerotrain_cli, run, "--model.config_overrides.num_attention_heads", "3", "--detach", check=False)
+    # Valid config, but the model cannot be built: the run dies after it was detached. The command
+    # runs in this process; the detached run it starts is a process of its own, as ever.
+    proc = _train(zerotrain_main, run, "--model.config_overrides.num_attention_heads", "3", "--detach", check=False)
     assert proc.returncode != 0
     assert "started in the background" not in proc.stdout
     assert str(run / "train.log") in proc.stderr and "num_attention_heads" in proc.stderr

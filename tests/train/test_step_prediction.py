@@ -30,10 +30,11 @@ def test_a_run_with_a_compute_probe_says_measured_against_predicted_once(zerotra
     assert str(probe) in (zerotrain_cli.cwd / "run" / "config.yaml").read_text()
 
 
-def test_a_probe_that_is_not_there_fails_before_any_rank_starts(zerotrain_cli):
-    done = zerotrain_cli("train", "--logging.compute_probe", "nope.json", "--output.dir", "run")
+def test_a_probe_that_is_not_there_fails_before_any_rank_starts(zerotrain_main):
+    # Refused before any rank starts: in this process, without a fresh interpreter's start-up.
+    done = zerotrain_main("train", "--logging.compute_probe", "nope.json", "--output.dir", "run")
     assert done.returncode == 2 and "nope.json" in done.stderr and "bench compute" in done.stderr
-    assert not (zerotrain_cli.cwd / "run").exists()
+    assert not (zerotrain_main.cwd / "run").exists()
 
 
 def test_a_large_gap_says_where_to_look():

@@ -139,11 +139,13 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(crash_and_resu
 
 
 @pytest.mark.timeout(300)
-def test_detached_run_is_followed_and_stopped_cleanly_after_a_checkpoint(tmp_path):
+def test_detached_run_is_followed_and_stopped_cleanly_after_a_checkpoint(tmp_path, zerotrain_main):
     run = tmp_path / "bg"
     args = ["--training.max_steps", "100000", "--training.save_interval", "0", "--training.eval_interval", "0",
             "--training.micro_batch_size", "4", "--data.synthetic.num_examples", "2000"]
-    started = _train(tmp_path, "bg", *args, "--nproc_per_node", "2", "--detach")
+    # The command runs in this process (it only starts the run); the run it detaches is processes of its own.
+    started = zerotrain_main("train", "--output.dir", run, "--data.cache_dir", tmp_path / "cache", *args,
+                             "--nproc_per_node", "2", "--detach", check=True)
     # "started" only once the ranks are up: rank 0 writes train.started once every engine is built
     assert started.stdout.startswith("started in the background"), started.stdout + started.stderr
     assert (run / "train.started").exists()
@@ -160,7 +162,7 @@ def test_detached_run_is_followed_and_stopped_cleanly_after_a_checkpoint(tmp_pat
     assert running_pid(run) is None and not _alive(pid)
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest.startswith("step") and int(latest[4:]) >= 10
-    logs = subprocess.run([*ZEROTRAIN, "logs", str(run)], capture_output=True, text=True, timeout=60)
+    logs = zerotrain_main("logs", run)  # reads the folder: in this process
     assert "stopped" in logs.stdout and not (run / "STOP").exists()
 
 
@@ -182,20 +184,23 @@ def test_a_rendezvous_flag_never_changes_how_many_processes_a_local_run_starts(c
     assert f"127.0.0.1:{port}" in proc.stderr + proc.stdout
 
 
-def test_batch_sizes_that_do_not_multiply_out_at_the_world_size_fail_before_any_rank(tmp_path):
-    proc = _train(tmp_path, "runs/b", "--nproc_per_node", "2", "--zero.train_batch_size", "6",
-                  "--training.micro_batch_size", "2", check=False, env=device_env("cpu"))
+def test_batch_sizes_that_do_not_multiply_out_at_the_world_size_fail_before_any_rank(zerotrain_main, tmp_path):
+    # Refused before any rank starts: in this process (the other tests here run the console script).
+    proc = zerotrain_main("train", "--output.dir", tmp_path / "runs" / "b", "--data.cache_dir", tmp_path / "cache",
+                          "--nproc_per_node", "2", "--zero.train_batch_size", "6", "--training.micro_batch_size", "2",
+                          env=device_env("cpu"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "zerotrain launch" not in proc.stderr + proc.stdout  # no rank was started
     assert "zero.train_batch_size = 6" in proc.stderr and "world size 2 = 4" in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
-def test_an_error_the_ranks_find_is_printed_once_and_leaves_no_run_folder(tmp_path):
+def test_an_error_found_in_tokenized_data_is_printed_once_and_leaves_no_run_folder(zerotrain_main, tmp_path):
     one = tmp_path / "one.jsonl"  # one document: too few to hold out an evaluation split, known only once tokenized
     one.write_text('{"text": "a single short document"}\n')
-    proc = _train(tmp_path, "runs/one", "--nproc_per_node", "2", "--data.path", str(one), "--data.format", "auto",
-                  check=False, env=device_env("cpu"))
+    # The command tokenizes before it starts any rank (the data-fits check) and stops there: in this process.
+    proc = zerotrain_main("train", "--output.dir", tmp_path / "runs" / "one", "--data.cache_dir", tmp_path / "cache",
+                          "--nproc_per_node", "2", "--data.path", one, "--data.format", "auto", env=device_env("cpu"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-2000:]
     assert out.count("too few to hold out") == 1, out[-3000:]
