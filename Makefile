@@ -34,10 +34,11 @@ XDIST   := -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 # 2026-11-27), 2 workers 20:48 on a commit with fewer tests.
 TEST_WORKERS ?= 2
 
-# The whole suite (CI runs this; the target is under 20 minutes). Fresh-clone `bash .ci/run` runs of 2026-11-28
-# took 25:17 to 28:37 in pytest on this 2-core VM, and 30:51 with issue 35's compile tests (the same tests vary by 20% from hour to hour), 2 cores 89-92%
-# busy throughout: the suite is CPU-bound, mostly Python start-up of torch and transformers in every process. It includes the dry GPU check, which installs the GPU
-# wheels. Prints the 30 slowest tests; pytest's last line is the wall time.
+# The whole suite (CI runs this; the target is under 20 minutes). Fresh-clone `bash .ci/run` runs on this 2-core VM:
+# 33:38 in pytest on 2026-11-28 (issues 35-37's tests added), 23:52 on 2026-11-29 after launches were shared across
+# tests (the same tests vary by 20% from hour to hour). The suite is CPU-bound, mostly Python start-up of torch and
+# transformers (7-8 CPU-s) in every process. It includes the dry GPU check, which installs the GPU wheels. Prints the
+# 30 slowest tests; pytest's last line is the wall time.
 test: install gpu-wheels
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=30
 
