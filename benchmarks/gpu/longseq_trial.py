@@ -15,12 +15,13 @@ import argparse
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from size_trial import classify, enable_checkpointing, rss_bytes, start_world_of_one, timed_steps, write_result_and_exit
+from size_trial import (
+    closed, enable_checkpointing, record_baseline, record_failure, start_world_of_one, timed_steps, write_result_and_exit,
+)
 
 
 def build(shape: dict, sw: dict, seq: int, device, seed: int):
@@ -65,8 +66,7 @@ def run(args) -> dict:
         start_world_of_one(device)
         import transformers  # noqa: F401 - its memory belongs to the baseline, not to the trial's growth
 
-        result["baseline_rss_bytes"] = rss_bytes()
-        Path(args.out + ".baseline").write_text(str(result["baseline_rss_bytes"]))  # for the driver's watcher
+        record_baseline(result, args.out)
         phase = "build"
         model = build(args.shape, args.switches, args.seq, device, args.seed)
         phase = "initialize"
@@ -77,11 +77,8 @@ def run(args) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         timed_steps(engine, (1, args.seq), args.shape["vocab"], args, device, result, f"[longseq-trial] seq {args.seq}")
     except BaseException as exc:  # noqa: BLE001 - every failure is a result to report
-        result.update(reason=classify(exc), phase=result.get("phase", phase), error=f"{type(exc).__name__}: {exc}"[-2000:])
-        traceback.print_exc()
-    result["host_peak_rss_bytes"] = rss_bytes("VmHWM")
-    result["wall_s"] = time.perf_counter() - t_start
-    return result
+        record_failure(result, exc, phase)
+    return closed(result, t_start)
 
 
 def main() -> None:

@@ -169,6 +169,26 @@ def timed_steps(engine, batch_shape: tuple[int, int], vocab: int, args, device, 
         result.update(status="failed", reason="error", error=f"non-finite loss {losses}")
 
 
+def record_baseline(result: dict, out: str) -> None:
+    """The process's memory before the trial builds anything, in `result` and in OUT.baseline (for the
+    driver's watcher, which judges the trial's growth against it)."""
+    result["baseline_rss_bytes"] = rss_bytes()
+    Path(out + ".baseline").write_text(str(result["baseline_rss_bytes"]))
+
+
+def record_failure(result: dict, exc: BaseException, phase: str) -> None:
+    """A trial's failure as its result: the class the driver reports, the phase it failed in, the error."""
+    result.update(reason=classify(exc), phase=result.get("phase", phase), error=f"{type(exc).__name__}: {exc}"[-2000:])
+    traceback.print_exc()
+
+
+def closed(result: dict, t_start: float) -> dict:
+    """`result` with the trial's host peak and wall time, whether it passed or failed."""
+    result["host_peak_rss_bytes"] = rss_bytes("VmHWM")
+    result["wall_s"] = time.perf_counter() - t_start
+    return result
+
+
 def write_result_and_exit(result: dict, out: str) -> None:
     """The result file, replaced whole; then exit without interpreter teardown (exit hooks of
     NCCL/DeepSpeed add seconds and can hang after an OOM): 0 when the trial trained, else 3."""
@@ -195,8 +215,7 @@ def run(args) -> dict:
         # The libraries' own memory belongs to the baseline, not to what the trial grows by.
         for lib in ("transformers", "zerotrain", *(("deepspeed",) if args.engine == "deepspeed" else ())):
             importlib.import_module(lib)
-        result["baseline_rss_bytes"] = rss_bytes()
-        Path(args.out + ".baseline").write_text(str(result["baseline_rss_bytes"]))  # for the driver's watcher
+        record_baseline(result, args.out)
         ds = ds_config(args.mode, args.micro_batch)
         stage = ds["zero_optimization"]["stage"]
         cfg = hf_config(args.size, args.seq)
@@ -215,12 +234,8 @@ def run(args) -> dict:
         result["host_rss_after_build_bytes"] = rss_bytes()
         timed_steps(engine, (args.micro_batch, args.seq), cfg.vocab_size, args, device, result, "[size-trial]")
     except BaseException as exc:  # noqa: BLE001 - every failure is a result to report
-        text = f"{type(exc).__name__}: {exc}"
-        result.update(reason=classify(exc), phase=result.get("phase", phase), error=text[-2000:])
-        traceback.print_exc()
-    result["host_peak_rss_bytes"] = rss_bytes("VmHWM")
-    result["wall_s"] = time.perf_counter() - t_start
-    return result
+        record_failure(result, exc, phase)
+    return closed(result, t_start)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotrain.runtime.tiled_mlp import TiledMLPFunction, restored_rng, rng_state
+from zerotrain.runtime.tiled_mlp import TiledMLPFunction, add_tile_grads, restored_rng, rng_state
 
 REDUCTIONS = (None, "mean", "sum")
 
@@ -87,7 +87,6 @@ class _TiledCall:
     pass_values: list[Any]  # non-tensors as given; tensors are also passed to the autograd function
     unshard_dim: int
     reduction: str | None
-    rng: tuple | None = None
 
 
 def sequence_tiled_compute(
@@ -133,12 +132,11 @@ class _SequenceTiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _TiledCall, n_shard: int, *tensors: torch.Tensor) -> torch.Tensor:
         n_passed = sum(isinstance(v, torch.Tensor) for v in call.pass_values)
-        ctx.call, ctx.n_shard, ctx.n_passed = call, n_shard, n_passed
+        ctx.call, ctx.n_shard = call, n_shard
         ctx.save_for_backward(*tensors[: n_shard + n_passed])
         ctx.params = tensors[n_shard + n_passed :]
         sharded = tensors[:n_shard]
-        if any(ctx.needs_input_grad):
-            call.rng = rng_state(sharded[0].device)
+        ctx.rng = rng_state(sharded[0].device) if any(ctx.needs_input_grad) else None
         outputs = [call.fn(**_tile(call, sharded, start, end), **_passed(call, tensors[n_shard: n_shard + n_passed]))
                    for start, end in call.bounds]
         ctx.output_shapes = [o.shape for o in outputs]
@@ -153,7 +151,7 @@ class _SequenceTiledFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):
-        call, n_shard, n_passed = ctx.call, ctx.n_shard, ctx.n_passed
+        call, n_shard = ctx.call, ctx.n_shard
         saved = ctx.saved_tensors
         wants = ctx.needs_input_grad[2:]
         sharded = [t.detach() for t in saved[:n_shard]]
@@ -161,9 +159,10 @@ class _SequenceTiledFunction(torch.autograd.Function):
         params = list(ctx.params)
         grad_whole = _grad_of_whole(grad_output, call.reduction, ctx.whole_shape)
         grad_sharded = [torch.zeros_like(t) if w else None for t, w in zip(sharded, wants[:n_shard])]
-        sums: list[torch.Tensor | None] = [None] * (n_passed + len(params))
+        summed = [t for t, w in zip(passed + params, wants[n_shard:]) if w]  # a gradient summed over the tiles
+        sums: list[torch.Tensor | None] = [None] * len(summed)
         offset = 0
-        with restored_rng(call.rng, sharded[0].device), torch.enable_grad():
+        with restored_rng(ctx.rng, sharded[0].device), torch.enable_grad():
             for i, (start, end) in enumerate(call.bounds):
                 tile = _tile(call, sharded, start, end)
                 tile_leaves = [tile[k].requires_grad_(w) for k, w in zip(call.shard_keys, wants[:n_shard])]
@@ -176,22 +175,17 @@ class _SequenceTiledFunction(torch.autograd.Function):
                     width = ctx.output_shapes[i][call.unshard_dim]
                     grad_tile = grad_whole.narrow(call.unshard_dim, offset, width)
                     offset += width
-                inputs = [t for t, w in zip(tile_leaves, wants) if w]
-                inputs += [t for t, w in zip(passed + params, wants[n_shard:]) if w]
+                sliced = [(g, leaf) for g, leaf in zip(grad_sharded, tile_leaves) if g is not None]
+                inputs = [leaf for _, leaf in sliced] + summed
                 if not inputs or not output.requires_grad:
                     continue
-                grads = iter(torch.autograd.grad(output, inputs, grad_tile, allow_unused=True))
-                for g_full, w in zip(grad_sharded, wants[:n_shard]):
-                    if w:
-                        grad = next(grads)
-                        if grad is not None:
-                            g_full[:, start:end] = grad
-                for j, w in enumerate(wants[n_shard:]):
-                    if w:
-                        grad = next(grads)
-                        if grad is not None:
-                            sums[j] = grad if sums[j] is None else sums[j].add_(grad)
-        return (None, None, *grad_sharded, *sums)
+                grads = torch.autograd.grad(output, inputs, grad_tile, allow_unused=True)
+                for (g_full, _), grad in zip(sliced, grads):
+                    if grad is not None:
+                        g_full[:, start:end] = grad
+                add_tile_grads(sums, grads[len(sliced):])
+        by_input = iter(sums)
+        return (None, None, *grad_sharded, *(next(by_input) if w else None for w in wants[n_shard:]))
 
 
 def _tile(call: _TiledCall, sharded: Sequence[torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:

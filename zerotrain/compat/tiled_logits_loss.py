@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from zerotrain.compat.tiled_compute import parameters_used, refuse_hidden_parameters
+from zerotrain.runtime.tiled_mlp import add_tile_grads
 
 WHERE = "TiledFusedLogitsLoss"
+X_INPUT = 5  # x's place among _FusedLossFunction's inputs (after fn, owner, shards, reduction, has_mask)
 
 
 class TiledFusedLogitsLoss:
@@ -60,8 +62,9 @@ class _FusedLossFunction(torch.autograd.Function):
     def forward(ctx: Any, fn: Callable, owner: Any, shards: int, reduction: str, has_mask: bool,
                 x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         mask, params = (rest[0], rest[1:]) if has_mask else (None, rest)
-        wants_x = ctx.needs_input_grad[5]
-        wanted = [p for p, w in zip(params, ctx.needs_input_grad[5 + 2 + has_mask:]) if w]
+        wants_x = ctx.needs_input_grad[X_INPUT]
+        ctx.param_wants = ctx.needs_input_grad[X_INPUT + 2 + has_mask:]  # after x, y and the mask
+        wanted = [p for p, w in zip(params, ctx.param_wants) if w]
         # Flattened to tokens: a tile of [batch * seq] rows keeps strides simple whatever the batch size.
         rows = x.detach().reshape(-1, *x.shape[2:])
         tiles = list(zip(rows.chunk(shards), y.detach().reshape(-1, *y.shape[2:]).chunk(shards),
@@ -84,9 +87,7 @@ class _FusedLossFunction(torch.autograd.Function):
             grads = list(torch.autograd.grad(loss, inputs, torch.full_like(loss, weight), allow_unused=True))
             if wants_x:
                 grad_rows[start: start + x_tile.shape[0]] = grads.pop(0)
-            for j, grad in enumerate(grads):
-                if grad is not None:
-                    sums[j] = grad if sums[j] is None else sums[j].add_(grad)
+            add_tile_grads(sums, grads)
             start += x_tile.shape[0]
         ctx.grad_x = grad_rows.view(x.shape) if wants_x else None
         ctx.param_grads = iter(sums)
@@ -99,7 +100,7 @@ class _FusedLossFunction(torch.autograd.Function):
         # The gradients were taken for a loss gradient of 1; scale in place (no host read of grad_loss).
         grad_x = ctx.grad_x.mul_(grad_loss) if ctx.grad_x is not None else None
         param_grads = []
-        for wanted in ctx.needs_input_grad[5 + 2 + ctx.has_mask:]:
+        for wanted in ctx.param_wants:
             grad = next(ctx.param_grads) if wanted else None
             param_grads.append(grad.mul_(grad_loss) if grad is not None else None)
         ctx.grad_x = ctx.param_grads = None

@@ -23,7 +23,7 @@ per layer. (tests/runtime/test_tiled_mlp.py runs ZeRO-3 with a different sequenc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -74,13 +74,19 @@ class TiledMLPFunction(torch.autograd.Function):
                 if wants_x:
                     grad_x[start:end] = grads[0]
                     grads = grads[1:]
-                for i, grad in enumerate(grads):
-                    if grad is not None:
-                        sums[i] = grad if sums[i] is None else sums[i].add_(grad)
+                add_tile_grads(sums, grads)
                 start = end
         by_param = iter(sums)
         param_grads = [next(by_param) if wanted else None for wanted in ctx.needs_input_grad[4:]]
         return (None, grad_x.view_as(x) if wants_x else None, None, None, *param_grads)
+
+
+def add_tile_grads(sums: list[torch.Tensor | None], grads: Iterable[torch.Tensor | None]) -> None:
+    """Adds one tile's gradients into `sums` (aligned with them; None: the tile gave that input none), in
+    place: the sum over the tiles that a tiled function's backward returns as each input's one gradient."""
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            sums[i] = grad if sums[i] is None else sums[i].add_(grad)
 
 
 def _checked(output: Any, tile: torch.Tensor) -> torch.Tensor:
